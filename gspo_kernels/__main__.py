@@ -1,0 +1,3 @@
+from gspo_kernels.cli import main
+
+raise SystemExit(main())

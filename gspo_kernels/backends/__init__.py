@@ -1,0 +1,82 @@
+"""Stage 1 (token stats) and stage 3 (logits gradient), one module per backend.
+
+Every backend module exposes the same three functions over logits of shape `[B, T, V]` or
+`[N, V]` (leading dims may be strided views; the vocab dim must be the unit-stride one):
+
+    token_stats(logits, targets, inv_temperature) -> (logp, entropy, lse)      each [N] fp32
+    logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+        -> new tensor like logits
+    logits_grad_(...same...) -> logits, with the gradient written into its storage
+
+`targets` is a contiguous `[N]` int64 tensor; `grad_entropy` may be None (no entropy term).
+A target outside [0, V) gives logp = NaN for that row and no one-hot term in the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native_backend, torch_backend
+
+try:
+    from . import triton_backend
+except ImportError:  # triton is optional where it has no wheels (macOS, Windows)
+    triton_backend = None
+
+# Imported eagerly so that torch.compile traces a plain dict lookup. The Triton kernels are
+# therefore defined when gspo_kernels is imported: set TRITON_INTERPRET=1 before that to run
+# them on CPU tensors.
+_MODULES = {"torch": torch_backend, "triton": triton_backend, "cpu": native_backend, "cuda": native_backend}
+
+
+def get(name: str):
+    """The backend module for a resolved name (no 'auto')."""
+    return _MODULES[name]
+
+
+def native_available() -> bool:
+    return native_backend.load_error() is None
+
+
+def resolve(name: str, logits: torch.Tensor) -> str:
+    """Turns the user's backend choice into a concrete backend, or says why it cannot run.
+
+    'auto' picks Triton for CUDA tensors, the fused C++ kernel for CPU tensors when the
+    extension is built, and the plain PyTorch path otherwise.
+    """
+    on_cuda = logits.device.type == "cuda"
+    if name == "auto":
+        if logits.dtype == torch.float64:
+            return "torch"
+        if on_cuda:
+            if triton_backend is not None:
+                return "triton"
+            return "cuda" if native_available() else "torch"
+        if logits.device.type == "cpu" and native_available():
+            return "cpu"
+        return "torch"
+    if logits.dtype == torch.float64 and name != "torch":
+        raise TypeError(
+            f"backend={name!r} takes float32, bfloat16 or float16 logits; float64 logits run on "
+            "backend='torch' (the gradcheck path) or 'auto'"
+        )
+    if name == "triton":
+        if triton_backend is None:
+            raise RuntimeError("backend='triton' needs the triton package: pip install triton")
+        if not on_cuda and not triton_backend.INTERPRETED:
+            raise ValueError(
+                f"backend='triton' got logits on {logits.device}; Triton kernels run on CUDA "
+                "tensors, or on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 "
+                "is set before gspo_kernels is imported. On CPU use backend='cpu' or 'torch'."
+            )
+    if name in ("cpu", "cuda"):
+        error = native_backend.load_error()
+        if error is not None:
+            raise RuntimeError(
+                f"backend={name!r} needs the compiled extension gspo_kernels._C, which failed to "
+                f"load ({error}). Build it with `pip install --no-build-isolation -e .` after "
+                "installing torch (see the README's Install section)."
+            )
+        if logits.device.type != name:
+            raise ValueError(f"backend={name!r} needs logits on a {name} device; got {logits.device}")
+    return name

@@ -1,0 +1,44 @@
+"""How the fused kernels address rows of a `[B, T, V]` or `[N, V]` logits tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Row r lives at `(r // rows_per_batch) * stride_b + (r % rows_per_batch) * stride_t`.
+
+    Two strides instead of one is what lets a kernel read `logits[:, :-1]` without a copy:
+    there the batch stride is (T + 1) * V, not T * V. Packed `[N, V]` is the case
+    rows_per_batch = N, stride_b = 0.
+    """
+
+    rows: int
+    rows_per_batch: int
+    stride_b: int
+    stride_t: int
+    vocab: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "RowLayout":
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError("the fused kernels need the vocab dimension to be contiguous")
+        if t.dim() == 3:
+            b, n_t, vocab = t.shape
+            return RowLayout(b * n_t, max(n_t, 1), t.stride(0), t.stride(1), vocab)
+        if t.dim() == 2:
+            n, vocab = t.shape
+            return RowLayout(n, max(n, 1), 0, t.stride(0), vocab)
+        raise ValueError(f"expected a 2-D or 3-D tensor; got shape {tuple(t.shape)}")
+
+
+def with_unit_vocab_stride(logits: torch.Tensor) -> torch.Tensor:
+    """The kernels stream along the vocab; a transposed input is copied once to allow that."""
+    return logits if logits.stride(-1) == 1 or logits.shape[-1] == 1 else logits.contiguous()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

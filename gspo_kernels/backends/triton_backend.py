@@ -1,0 +1,126 @@
+"""Launchers for the Triton kernels, registered as torch custom ops so torch.compile sees
+them as single opaque calls (with fake implementations for shape propagation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import triton_kernels as kernels
+from .layout import RowLayout, next_power_of_2, with_unit_vocab_stride
+
+name = "triton"
+
+# The kernels became interpreted functions if TRITON_INTERPRET=1 was set when they were defined.
+INTERPRETED = not isinstance(kernels.token_stats_kernel, triton.runtime.JITFunction)
+
+# Untuned on a GPU so far (no GPU run has been recorded): 16 KiB of logits per block keeps
+# every thread on several 16-byte loads per iteration at 8 warps.
+_BLOCK_BYTES = 16384
+_NUM_WARPS = 8
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_v: int
+    num_warps: int
+
+    @staticmethod
+    def for_row(vocab: int, element_size: int, block_v: int | None = None) -> "LaunchConfig":
+        if block_v is None:
+            block_v = min(next_power_of_2(vocab), _BLOCK_BYTES // element_size)
+        if block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a power of two; got {block_v}")
+        return LaunchConfig(block_v=block_v, num_warps=_NUM_WARPS)
+
+
+# Tests set this to force several vocab blocks on a small vocab; None picks the default.
+block_v_override: int | None = None
+
+
+def _launch_config(logits: torch.Tensor) -> LaunchConfig:
+    return LaunchConfig.for_row(logits.shape[-1], logits.element_size(), block_v_override)
+
+
+@torch.library.custom_op("gspo_kernels::triton_token_stats", mutates_args=())
+def _token_stats_op(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout = RowLayout.of(logits)
+    logp, entropy, lse = (
+        torch.empty(layout.rows, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
+    if layout.rows and layout.vocab:
+        cfg = _launch_config(logits)
+        kernels.token_stats_kernel[(layout.rows,)](
+            logits, targets, logp, entropy, lse,
+            layout.rows_per_batch, layout.stride_b, layout.stride_t, layout.vocab,
+            inv_temperature,
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+        )
+    return logp, entropy, lse
+
+
+@_token_stats_op.register_fake
+def _(logits, targets, inv_temperature):
+    rows = logits.shape[:-1].numel()
+    return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+
+
+def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    layout = RowLayout.of(logits)
+    out_layout = RowLayout.of(grad)
+    if not (layout.rows and layout.vocab):
+        return
+    cfg = _launch_config(logits)
+    has_h = grad_entropy is not None
+    kernels.logits_grad_kernel[(layout.rows,)](
+        logits, grad, targets, lse, entropy, grad_logp,
+        grad_entropy if has_h else grad_logp,  # never read when HAS_ENTROPY_GRAD is False
+        layout.rows_per_batch, layout.stride_b, layout.stride_t,
+        out_layout.stride_b, out_layout.stride_t, layout.vocab, inv_temperature,
+        HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+    )
+
+
+@torch.library.custom_op("gspo_kernels::triton_logits_grad", mutates_args=())
+def _logits_grad_op(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+    grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_temperature: float,
+) -> torch.Tensor:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    return grad
+
+
+@_logits_grad_op.register_fake
+def _(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("gspo_kernels::triton_logits_grad_", mutates_args=("logits",))
+def _logits_grad_inplace_op(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+    grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_temperature: float,
+) -> None:
+    # Each program reads a block of its row before writing the same block: in place is safe.
+    _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+
+
+def token_stats(logits, targets, inv_temperature):
+    return _token_stats_op(with_unit_vocab_stride(logits), targets, inv_temperature)
+
+
+def logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    return _logits_grad_op(
+        with_unit_vocab_stride(logits), targets, lse, entropy, grad_logp, grad_entropy, inv_temperature
+    )
+
+
+def logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        return logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    _logits_grad_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    return logits

@@ -1,0 +1,105 @@
+"""Every backend on this machine against the float64 reference, over a grid of cases."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import backends
+from ..config import LEVELS
+from ..problems import ProblemSpec, make_problem
+from ..verify import run_case
+from .progress import Progress
+from .table import print_table
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    layout: str
+    level: str
+    temperature: float
+    kl_estimator: str
+    strided: bool
+
+    @property
+    def label(self) -> str:
+        rows = "strided" if self.strided else "contig"
+        return f"{self.dtype} {self.layout} {rows} {self.level} T={self.temperature:g} kl={self.kl_estimator}"
+
+
+def cases() -> list[Case]:
+    """dtype x layout x level; temperature, KL estimator and row stride rotate through them."""
+    grid = itertools.product(DTYPES, ("padded", "packed"), LEVELS)
+    return [
+        Case(dtype, layout, level, temperature=(1.0, 0.7)[i % 2], kl_estimator=("k1", "k2", "k3")[i % 3],
+             strided=bool(i % 4 == 3))
+        for i, (dtype, layout, level) in enumerate(grid)
+    ]
+
+
+def runnable_backends() -> dict[str, str]:
+    """backend -> device, for the backends this machine can run."""
+    found = {"torch": "cuda" if torch.cuda.is_available() else "cpu"}
+    triton = backends.triton_backend
+    if triton is not None and torch.cuda.is_available() and not triton.INTERPRETED:
+        found["triton"] = "cuda"
+    elif triton is not None and triton.INTERPRETED:
+        found["triton"] = "cpu"  # through Triton's interpreter: correct but slow
+    if backends.native_available():
+        found["cpu"] = "cpu"
+        if torch.cuda.is_available():
+            found["cuda"] = "cuda"
+    return found
+
+
+def run(args) -> int:
+    available = runnable_backends()
+    chosen = args.backends.split(",") if args.backends else list(available)
+    missing = [b for b in chosen if b not in available]
+    if missing:
+        print(f"not runnable here: {', '.join(missing)} (available: {', '.join(available)})")
+        return 2
+    header = ("backend", "device", "case", "loss err", "grad err", "logp err", "result")
+    rows, failed = [], 0
+    all_cases = cases()
+    start = time.perf_counter()
+    progress = Progress(len(chosen) * len(all_cases))
+    for backend in chosen:
+        for i, case in enumerate(all_cases):
+            spec = ProblemSpec(batch=args.batch, seq_len=args.seq_len, vocab=args.vocab, dtype=DTYPES[case.dtype],
+                               temperature=case.temperature, empty_sequence=True, strided=case.strided,
+                               with_ref=True, device=available[backend], seed=i)
+            problem = make_problem(spec)
+            if case.layout == "packed":
+                problem = problem.to_packed()
+            result = run_case(problem, backend, level=case.level, beta=0.05, kl_estimator=case.kl_estimator,
+                              entropy_coef=0.01, max_len=args.seq_len, loss_agg=args.loss_agg)
+            failed += not result.passed
+            e = result.errors
+            rows.append((backend, available[backend], case.label, f"{e['loss']:.1e}", f"{e['grad']:.1e}",
+                         f"{e['token_logprobs']:.1e}", "pass" if result.passed else "FAIL " + "; ".join(result.failures())))
+            progress.step(f"{backend} {case.label}")
+    progress.close()
+    print_table(header, rows)
+    elapsed = time.perf_counter() - start
+    print(f"\n{len(rows) - failed}/{len(rows)} cases pass in {elapsed:.0f} s "
+          "(errors are ||out - ref|| / ||ref|| against the float64 reference)")
+    if "triton" in chosen and available["triton"] == "cpu":
+        print("triton ran through Triton's CPU interpreter (TRITON_INTERPRET=1): same kernels, no GPU")
+    return 1 if failed else 0
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("check", help="gradient check of every backend against the float64 reference")
+    p.add_argument("--backends", help="comma-separated subset (default: every backend runnable here)")
+    p.add_argument("--batch", type=int, default=6)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--loss-agg", default="seq-mean-token-mean")
+    p.set_defaults(run=run)

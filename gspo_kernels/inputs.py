@@ -1,0 +1,191 @@
+"""Checks the loss inputs once, before any kernel runs, and flattens them to per-row form.
+
+Every check here reads shapes, dtypes and devices only, so it costs no host-device sync.
+The one check on values, cu_seqlens, runs on the host when cu_seqlens is a CPU tensor and
+as an asynchronous device assert when it already lives on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import GSPOConfig
+from .segments import Segments
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int64, torch.int32)
+# bf16 log-probs carry ~3 significant digits: their rounding alone moves a sequence ratio by
+# more than the 3e-4 clip range, so a 16-bit old/ref log-prob would silently flip clipping.
+LOGPROB_DTYPES = (torch.float32, torch.float64)
+
+
+def _require_tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    return value
+
+
+def _require_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but logits are on {device}; move it to {device}")
+
+
+def _require_shape(name: str, t: torch.Tensor, shape, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({what}); got {tuple(t.shape)}")
+
+
+def check_logits_and_targets(logits, target_ids) -> torch.Tensor:
+    """Validates the pair and returns the targets as a contiguous `[N]` int64 tensor."""
+    _require_tensor("logits", logits)
+    _require_tensor("target_ids", target_ids)
+    if logits.dim() not in (2, 3):
+        raise ValueError(
+            f"logits must be (B, T, V) padded or (N, V) packed; got shape {tuple(logits.shape)}"
+        )
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16 (float64 on the torch path); got {logits.dtype}")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits have an empty vocab dimension (V = 0)")
+    _require_shape("target_ids", target_ids, logits.shape[:-1], "the logits' shape without V")
+    if target_ids.dtype not in INDEX_DTYPES:
+        raise TypeError(f"target_ids must be int64 or int32; got {target_ids.dtype}")
+    _require_device("target_ids", target_ids, logits.device)
+    return target_ids.reshape(-1).to(torch.int64).contiguous()
+
+
+def _per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor | None:
+    if value is None:
+        return None
+    t = _require_tensor(name, value)
+    _require_shape(name, t, token_shape, "one value per token, like target_ids")
+    if t.dtype not in LOGPROB_DTYPES:
+        raise TypeError(
+            f"{name} must be float32 or float64; got {t.dtype}. 16-bit log-probs are too coarse "
+            "for GSPO's ~3e-4 clip range: compute them in float32 (logits.float().log_softmax)."
+        )
+    _require_device(name, t, device)
+    return t.reshape(-1)
+
+
+def _mask(value, token_shape, device) -> torch.Tensor:
+    if value is None:
+        return torch.ones(token_shape.numel(), dtype=torch.bool, device=device)
+    t = _require_tensor("mask", value)
+    _require_shape("mask", t, token_shape, "one flag per token, like target_ids")
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(
+            f"mask must be bool or an integer 0/1 tensor; got {t.dtype}. Float masks are refused "
+            "because a weight other than 0/1 would silently change the loss: pass mask.bool()."
+        )
+    _require_device("mask", t, device)
+    return t.reshape(-1) != 0
+
+
+def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> None:
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+        if int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0; got {int(cu[0])}")
+        if bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        if int(cu[-1]) != rows:
+            raise ValueError(f"cu_seqlens must end at N = {rows} (the number of logits rows); got {int(cu[-1])}")
+        return
+    valid = (cu[0] == 0) & (cu[-1] == rows) & (cu[1:] >= cu[:-1]).all()
+    torch._assert_async(valid, "cu_seqlens must start at 0, be non-decreasing and end at N")
+
+
+def _segments(logits, cu_seqlens) -> Segments:
+    if logits.dim() == 3:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens is for packed (N, V) logits; padded (B, T, V) logits take none")
+        return Segments.padded(logits.shape[0], logits.shape[1])
+    if cu_seqlens is None:
+        raise ValueError(
+            "2-D logits are the packed layout (N, V) and need cu_seqlens (S+1,); "
+            "for one padded batch pass (B, T, V)"
+        )
+    cu = _require_tensor("cu_seqlens", cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 2 entries; got shape {tuple(cu.shape)}")
+    if cu.dtype not in INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens must be int32 or int64; got {cu.dtype}")
+    if cu.device != logits.device and cu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens is on {cu.device} but logits are on {logits.device}")
+    _check_cu_seqlens(cu, logits.shape[0])
+    return Segments.packed(cu.to(device=logits.device, dtype=torch.int64), logits.shape[0])
+
+
+def _advantages(value, segments: Segments, token_shape, device) -> tuple[torch.Tensor, bool]:
+    t = _require_tensor("advantages", value)
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"advantages must be a float tensor; got {t.dtype}")
+    _require_device("advantages", t, device)
+    per_seq_shape = (segments.num_seqs,)
+    if tuple(t.shape) == per_seq_shape:
+        return t, False
+    if tuple(t.shape) == tuple(token_shape):
+        return t.reshape(-1), True
+    raise ValueError(
+        f"advantages must have shape {per_seq_shape} (one per sequence) or {tuple(token_shape)} "
+        f"(one per token); got {tuple(t.shape)}"
+    )
+
+
+def _normalizer(value, device):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar; got shape {tuple(value.shape)}")
+        _require_device("normalizer", value, device)
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"normalizer must be a positive number or a scalar tensor; got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """The loss inputs after checking: per-row `[N]` tensors plus the sequence layout."""
+
+    targets: torch.Tensor
+    token_shape: torch.Size
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    advantages_per_token: bool
+    segments: Segments
+    normalizer: torch.Tensor | float | None
+    horizon: int | None
+
+
+def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *,
+                  mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None) -> LossBatch:
+    targets = check_logits_and_targets(logits, target_ids)
+    device, token_shape = logits.device, target_ids.shape
+    segments = _segments(logits, cu_seqlens)
+    adv, adv_per_token = _advantages(advantages, segments, token_shape, device)
+    ref = _per_token_logprobs("ref_logprobs", ref_logprobs, token_shape, device)
+    if config.beta > 0 and ref is None:
+        raise ValueError("beta > 0 adds a KL penalty and needs ref_logprobs")
+    horizon = config.max_len
+    if config.loss_agg == "seq-mean-token-sum-norm" and horizon is None:
+        if logits.dim() == 2:
+            raise ValueError("loss_agg='seq-mean-token-sum-norm' on packed input needs max_len (the horizon)")
+        horizon = logits.shape[1]
+    return LossBatch(
+        targets=targets,
+        token_shape=token_shape,
+        mask=_mask(mask, token_shape, device),
+        old_logprobs=_per_token_logprobs("old_logprobs", old_logprobs, token_shape, device),
+        ref_logprobs=ref,
+        advantages=adv,
+        advantages_per_token=adv_per_token,
+        segments=segments,
+        normalizer=_normalizer(normalizer, device),
+        horizon=horizon,
+    )

@@ -1,0 +1,86 @@
+"""The public loss: checks inputs, runs stage 1 (kernel), stage 2 (PyTorch), and wires stage 3
+(kernel) into autograd through the token-stats Function."""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from .config import GSPOConfig
+from .inputs import prepare_batch
+from .sequence import gspo_objective
+from .token_stats import token_stats
+
+
+def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, **per_call):
+    batch = prepare_batch(config, logits, target_ids, old_logprobs, advantages, **per_call)
+    backend_name = backends.resolve(config.backend, logits)
+    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace)
+    return gspo_objective(config, batch, logp, entropy)
+
+
+def gspo_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    level: str = "sequence",
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    temperature: float = 1.0,
+    loss_agg: str = "seq-mean-token-mean",
+    normalizer: torch.Tensor | float | None = None,
+    max_len: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    backend: str = "auto",
+    inplace: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO policy loss (Qwen, arXiv 2507.18071) with a fused logits gradient.
+
+    Shapes: padded logits `(B, T, V)` with per-token inputs `(B, T)` and advantages `(B,)` or
+    `(B, T)`; packed logits `(N, V)` with `cu_seqlens (S+1,)`, per-token inputs `(N,)` and
+    advantages `(S,)` or `(N,)` (when S == N they are read per sequence).
+
+    Returns the scalar loss (float32; float64 for float64 logits) and a dict of detached metrics: token_logprobs, entropy
+    (per token), seq_ratio (per sequence), clip_frac, clip_frac_low, clip_frac_high,
+    entropy_mean, and kl when ref_logprobs is given. The README's semantics table defines
+    each option. With inplace=True the backward pass may overwrite the logits with their
+    gradient: do not read the logits after calling backward.
+    """
+    config = GSPOConfig(
+        level=level, eps_low=eps_low, eps_high=eps_high, temperature=temperature,
+        loss_agg=loss_agg, max_len=max_len, beta=beta, kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef, backend=backend, inplace=inplace,
+    )
+    return _gspo_loss_with_config(
+        config, logits, target_ids, old_logprobs, advantages, mask=mask,
+        cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, normalizer=normalizer,
+    )
+
+
+class GSPOLoss(torch.nn.Module):
+    """`nn.Module` form of gspo_loss: options fixed (and validated) once at construction.
+
+        loss_fn = GSPOLoss(level="sequence", eps_low=3e-4, eps_high=4e-4)
+        loss, metrics = loss_fn(logits, target_ids, old_logprobs, advantages, mask=mask)
+    """
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.config = GSPOConfig(**options)
+
+    def forward(self, logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None,
+                ref_logprobs=None, normalizer=None):
+        return _gspo_loss_with_config(
+            self.config, logits, target_ids, old_logprobs, advantages, mask=mask,
+            cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, normalizer=normalizer,
+        )
+
+    def extra_repr(self) -> str:
+        return repr(self.config)

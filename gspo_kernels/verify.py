@@ -1,0 +1,99 @@
+"""Runs one backend on one problem next to the float64 reference and measures the gap.
+
+Shared by the test suite and `python -m gspo_kernels check`, so both hold every backend
+to the same tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+from .loss import gspo_loss
+from .problems import Problem
+
+# Fractions of tokens: one token's difference is >= 1/N, so these must agree to rounding.
+_COUNT_METRICS = ("clip_frac", "clip_frac_low", "clip_frac_high")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest accepted ||out - ref|| / ||ref|| (absolute error for the clip fractions)."""
+
+    loss: float = 1e-5
+    grad: float = 1e-5
+    stats: float = 1e-5  # token log-probs, entropy, sequence ratios, KL
+    counts: float = 1e-6
+
+    @staticmethod
+    def for_dtype(dtype: torch.dtype) -> "Tolerance":
+        # The loss and statistics are accumulated in fp32 whatever the logits' dtype; only the
+        # gradient is rounded once to a 16-bit output (unit roundoff 2**-8 for bf16).
+        if dtype in (torch.bfloat16, torch.float16):
+            return Tolerance(grad=1e-2)
+        return Tolerance()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-12) -> float:
+    """||out - ref|| / max(||ref||, floor) in float64; NaN or inf anywhere gives inf."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: {tuple(out.shape)} vs reference {tuple(ref.shape)}")
+    diff = float((out - ref).norm())
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / max(float(ref.norm()), floor)
+
+
+@dataclass
+class CaseResult:
+    errors: dict[str, float]
+    limits: dict[str, float]
+
+    def failures(self) -> list[str]:
+        return [
+            f"{name}: {err:.3g} > {self.limits[name]:.3g}"
+            for name, err in self.errors.items()
+            if not err <= self.limits[name]
+        ]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures()
+
+
+def run_case(problem: Problem, backend: str, **options) -> CaseResult:
+    """Loss, dLoss/dlogits and metrics of `backend` against the float64 reference."""
+    base = problem.logits_base.detach().clone().requires_grad_()
+    args, kwargs = problem.loss_args(base[problem.view])
+    loss, metrics = gspo_loss(*args, **kwargs, backend=backend, **options)
+    loss.backward()
+
+    ref_base = problem.logits_base.detach().double().requires_grad_()
+    ref_args, ref_kwargs = problem.loss_args(ref_base[problem.view])
+    ref_loss, ref_metrics = reference.gspo_loss(*ref_args, **ref_kwargs, **options)
+    ref_loss.backward()
+
+    tol = Tolerance.for_dtype(problem.logits_base.dtype)
+    errors = {
+        "loss": relative_error(loss, ref_loss, floor=1e-3),
+        "grad": relative_error(base.grad, ref_base.grad),
+    }
+    limits = {"loss": tol.loss, "grad": tol.grad}
+    for name, ref_value in ref_metrics.items():
+        if name not in metrics:
+            errors[name], limits[name] = math.inf, 0.0
+            continue
+        if name in _COUNT_METRICS:
+            errors[name] = float((metrics[name].double().cpu() - ref_value.cpu()).abs())
+            limits[name] = tol.counts
+        else:
+            # A KL estimate is a signed mean of log-prob differences, known only to the fp32
+            # log-probs' absolute precision (~1e-6): below 0.1 it is held to that, not to 1e-5 of itself.
+            floor = 0.1 if name == "kl" else 1e-6
+            errors[name] = relative_error(metrics[name], ref_value, floor=floor)
+            limits[name] = tol.stats
+    return CaseResult(errors=errors, limits=limits)

@@ -1,0 +1,102 @@
+"""What the kernels do with unusual values: out-of-range ids, -inf and NaN logits, padding."""
+
+import math
+
+import pytest
+import torch
+
+import gspo_kernels as gk
+from gspo_kernels import reference
+from gspo_kernels.problems import ProblemSpec, make_problem
+
+from conftest import BACKENDS, device_for
+
+
+def _problem(backend, seed, **kw):
+    return make_problem(ProblemSpec(device=device_for(backend), seed=seed, **kw))
+
+
+def _loss_and_grad(problem, backend, logits=None, **options):
+    leaf = (problem.logits if logits is None else logits).detach().clone().requires_grad_()
+    args, kwargs = problem.loss_args(leaf)
+    loss, metrics = gk.gspo_loss(*args, **kwargs, backend=backend, **options)
+    loss.backward()
+    return loss, metrics, leaf.grad
+
+
+@pytest.mark.parametrize("bad_id", [-100, -1, 300, 10**9])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_target_outside_response_is_ignored(backend, bad_id, seed):
+    problem = _problem(backend, seed)
+    outside = ~problem.mask
+    assert outside.any()
+    problem.target_ids = torch.where(outside, torch.full_like(problem.target_ids, bad_id), problem.target_ids)
+    loss, metrics, grad = _loss_and_grad(problem, backend, entropy_coef=0.01)
+    ref_loss, _ = reference.gspo_loss(*problem.loss_args()[0], **problem.loss_args()[1], entropy_coef=0.01)
+    assert math.isfinite(loss.item())
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(abs(ref_loss.item()), 1e-3)
+    assert torch.isnan(metrics["token_logprobs"][outside]).all()  # said, not hidden
+    assert torch.count_nonzero(grad[outside]) == 0
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_target_inside_response_makes_the_loss_nan(backend, seed):
+    problem = _problem(backend, seed)
+    first = problem.mask.reshape(-1).nonzero()[0, 0]
+    problem.target_ids.view(-1)[first] = problem.spec.vocab  # one past the end
+    loss, metrics, _ = _loss_and_grad(problem, backend)
+    assert math.isnan(loss.item())
+    assert math.isnan(metrics["token_logprobs"].view(-1)[first].item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_garbage_padding_rows_get_zero_gradient(backend, seed):
+    """NaN or inf logits on rows outside the response must not reach the loss or gradient."""
+    problem = _problem(backend, seed)
+    logits = problem.logits.detach().clone()
+    outside = ~problem.mask
+    logits[outside] = float("nan")
+    logits[tuple(outside.nonzero()[0].tolist())] = float("inf")  # one whole row
+    loss, _, grad = _loss_and_grad(problem, backend, logits=logits, entropy_coef=0.01, level="sequence_token")
+    assert math.isfinite(loss.item())
+    assert torch.count_nonzero(grad[outside]) == 0
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_minus_inf_logits_mask_vocab_entries(backend, dtype, seed, small_blocks):
+    """A -inf logit (a banned token) has probability 0: finite stats, zero gradient there."""
+    problem = _problem(backend, seed, dtype=dtype)
+    logits = problem.logits.detach().clone()
+    banned = torch.rand(logits.shape, device=logits.device) < 0.3
+    banned.scatter_(-1, problem.target_ids.unsqueeze(-1), False)  # keep the sampled token
+    logits[banned] = float("-inf")
+    problem.logits_base, problem.view = logits, (Ellipsis,)
+    args, kwargs = problem.loss_args()
+    # Re-derive old log-probs for the new logits so the ratios stay near 1.
+    true_logp = torch.log_softmax(logits.double(), -1).gather(-1, problem.target_ids.unsqueeze(-1)).squeeze(-1)
+    problem.old_logprobs = torch.where(problem.mask, true_logp - 1e-3, problem.old_logprobs.double()).float()
+    loss, metrics, grad = _loss_and_grad(problem, backend, entropy_coef=0.05)
+    ref_leaf = logits.double().requires_grad_()
+    args, kwargs = problem.loss_args(ref_leaf)
+    ref_loss, ref_metrics = reference.gspo_loss(*args, **kwargs, entropy_coef=0.05)
+    ref_loss.backward()
+    assert torch.isfinite(metrics["entropy"]).all()
+    assert torch.allclose(metrics["entropy"].double(), ref_metrics["entropy"], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(grad).all()
+    assert torch.count_nonzero(grad[banned]) == 0
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (grad.double() - ref_leaf.grad).norm() <= tol * ref_leaf.grad.norm()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_logits_keep_entropy_accurate(backend, seed):
+    """Logits far from zero: a naive lse - sum(p z) entropy would cancel catastrophically."""
+    problem = _problem(backend, seed, logit_scale=1.0)
+    logits = problem.logits.detach() + 3000.0
+    _, metrics, _ = _loss_and_grad(problem, backend, logits=logits)
+    ref_entropy = reference.gspo_loss(*problem.loss_args(logits.double())[0], **problem.loss_args()[1])[1]["entropy"]
+    err = (metrics["entropy"].double() - ref_entropy).abs().max().item()
+    assert err < 1e-4

@@ -1,0 +1,25 @@
+"""The Triton kernels compile for a Hopper GPU, and use 16-byte loads, with no GPU here."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+SCRIPT = pathlib.Path(__file__).with_name("triton_sm90_compile.py")
+
+
+def _has_ptxas() -> bool:
+    bundled = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return bundled.exists() or shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="no ptxas to compile for sm_90")
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("16-byte loads: True, 16-byte stores: True") == 9

@@ -1,0 +1,64 @@
+"""Compiles the Triton kernels ahead of time for sm_90 (Hopper) with no GPU present.
+
+Run as a script without TRITON_INTERPRET: the interpreter accepts code that the compiler
+rejects, so this is what proves the kernels build for a real GPU. Prints one line per kernel.
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from gspo_kernels.backends import triton_kernels as K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, signature, constexprs, aligned):
+    # At launch Triton marks pointers and integers divisible by 16 this way; mirror it here.
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                    constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 8})
+
+
+def main() -> int:
+    compiled = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        block = 16384 // (2 if dtype != "fp32" else 4)
+        compiled.append((dtype, "token_stats", compile_kernel(
+            K.token_stats_kernel,
+            {"logits_ptr": f"*{dtype}", "targets_ptr": "*i64", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
+             "lse_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64",
+             "vocab": "i32", "inv_temperature": "fp32"},
+            {"BLOCK_V": block},
+            aligned=["logits_ptr", "targets_ptr", "logp_ptr", "entropy_ptr", "lse_ptr", "stride_b", "stride_t", "vocab"],
+        )))
+        for has_h in (False, True):
+            compiled.append((dtype, f"logits_grad(entropy={has_h})", compile_kernel(
+                K.logits_grad_kernel,
+                {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "lse_ptr": "*fp32",
+                 "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+                 "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64", "grad_stride_b": "i64",
+                 "grad_stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32"},
+                {"HAS_ENTROPY_GRAD": has_h, "BLOCK_V": block},
+                aligned=["logits_ptr", "grad_ptr", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "vocab"],
+            )))
+    failures = 0
+    for dtype, name, k in compiled:
+        ptx = k.asm["ptx"]
+        wide_loads = "ld.global.v4" in ptx
+        wide_stores = "st.global.v4" in ptx or name == "token_stats"  # token_stats stores scalars
+        print(f"{dtype:5s} {name:26s} sm_90 cubin {len(k.asm['cubin']):6d} B, "
+              f"16-byte loads: {wide_loads}, 16-byte stores: {wide_stores}")
+        failures += not (wide_loads and wide_stores)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
