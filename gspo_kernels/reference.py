@@ -12,6 +12,8 @@ import torch
 
 from .config import GSPOConfig
 
+MAX_LOG_RATIO = 20.0
+
 
 def _token_logprobs_and_entropy(logits, target_ids, temperature):
     log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
@@ -75,13 +77,17 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
         lp = logp[idx]
         old_lp = lp.detach() if old is None else old[idx]
         # s_i: the exponentiated mean log-ratio over the response (1 for an empty response).
-        s_i = torch.exp((lp - old_lp).mean()) if len(idx) else torch.ones((), dtype=torch.float64, device=logp.device)
+        # Log-ratios are clamped to [-20, 20] before exp, so no ratio overflows.
+        mean_log_ratio = (lp - old_lp).mean() if len(idx) else torch.zeros((), dtype=torch.float64, device=logp.device)
+        s_i = torch.exp(mean_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         if cfg.level == "sequence":
             ratio = s_i.expand(len(idx))
         elif cfg.level == "sequence_token":
-            ratio = s_i.detach() * torch.exp(lp - lp.detach())
+            # value s_i, d ratio / d lp = s_i; a -inf lp would give -inf - -inf, so it gets 0.
+            unit = torch.where(torch.isfinite(lp), lp - lp.detach(), torch.zeros_like(lp))
+            ratio = s_i.detach() * torch.exp(unit)
         else:
-            ratio = torch.exp(lp - old_lp)
+            ratio = torch.exp((lp - old_lp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         a = adv[idx] if adv_per_token else adv[i].expand(len(idx))
         clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
         term = -torch.minimum(ratio * a, clipped * a)

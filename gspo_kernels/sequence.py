@@ -23,14 +23,21 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     return torch.expm1(log_ratio) - log_ratio
 
 
+# Log-ratios are clamped before exp (as verl does): a stale or wrong old log-prob then cannot
+# overflow the ratio to inf, where inf * (A = 0) would turn the whole loss into NaN.
+MAX_LOG_RATIO = 20.0
+
+
 def _importance_ratio(config: GSPOConfig, batch: LossBatch, logp, log_ratio, seq_ratio):
     seg = batch.segments
     if config.level == "sequence":
         return seg.per_row(seq_ratio)
     if config.level == "sequence_token":
         # Value s_i, gradient of exp(logp_t): each token carries its own advantage's weight.
-        return seg.per_row(seq_ratio.detach()) * torch.exp(logp - logp.detach())
-    return torch.exp(log_ratio)
+        # (A -inf log-prob would make logp - sg[logp] NaN; its ratio is s_i, its gradient 0.)
+        unit = torch.where(torch.isfinite(logp), logp - logp.detach(), torch.zeros_like(logp))
+        return seg.per_row(seq_ratio.detach()) * torch.exp(unit)
+    return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, mask_f, tokens_per_seq):
@@ -66,7 +73,8 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
 
     seg = batch.segments
     tokens_per_seq = seg.seq_sum(mask_f)
-    seq_ratio = torch.exp(seg.seq_sum(log_ratio) / tokens_per_seq.clamp(min=1))
+    seq_log_ratio = seg.seq_sum(log_ratio) / tokens_per_seq.clamp(min=1)
+    seq_ratio = torch.exp(seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     ratio = _importance_ratio(config, batch, logp_r, log_ratio, seq_ratio)
 
     adv = batch.advantages.to(dtype)

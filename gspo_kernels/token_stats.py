@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
+from .backends.layout import rows_overlap
 from .config import BACKENDS
 from .inputs import check_logits_and_targets
 
@@ -45,7 +46,7 @@ class TokenStatsFunction(torch.autograd.Function):
             grad_entropy = grad_entropy.to(lse.dtype).contiguous()
         backend = backends.get(ctx.backend_name)
         args = (targets, lse, entropy, grad_logp, grad_entropy, ctx.inv_temperature)
-        if ctx.inplace:
+        if ctx.inplace and not rows_overlap(logits):
             grad = backend.logits_grad_(logits, *args)
             # The saved logits now hold the gradient: a second backward must fail loudly.
             torch.autograd.graph.increment_version(logits)

@@ -79,7 +79,10 @@ def run_case(problem: Problem, backend: str, **options) -> CaseResult:
 
     tol = Tolerance.for_dtype(problem.logits_base.dtype)
     errors = {
-        "loss": relative_error(loss, ref_loss, floor=1e-3),
+        # The loss is a signed mean of terms of size |A| ~ 1, each through an exp of fp32
+        # log-probs (ulp ~1e-6 at logp ~ -10): it is known to ~1e-7 absolute, and a loss that
+        # cancels to near zero is held to 1e-6 absolute rather than to 1e-5 of itself.
+        "loss": relative_error(loss, ref_loss, floor=0.1),
         "grad": relative_error(base.grad, ref_base.grad),
     }
     limits = {"loss": tol.loss, "grad": tol.grad}

@@ -23,9 +23,13 @@ fi
 PY="$VENV/bin/python"
 
 stamp_inputs() {
-    (cd "$ROOT" && cat pyproject.toml setup.py && echo "$TORCH_SPEC" &&
-        find csrc -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' \) 2>/dev/null | sort | xargs cat 2>/dev/null) |
-        sha256sum | cut -d' ' -f1
+    {
+        cat "$ROOT/pyproject.toml" "$ROOT/setup.py"
+        echo "$TORCH_SPEC"
+        if [ -d "$ROOT/csrc" ]; then
+            find "$ROOT/csrc" -type f | LC_ALL=C sort | xargs cat
+        fi
+    } | sha256sum | cut -d' ' -f1
 }
 STAMP="$VENV/.gspo_kernels_build"
 WANT="$(stamp_inputs)"

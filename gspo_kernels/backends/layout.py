@@ -42,3 +42,10 @@ def with_unit_vocab_stride(logits: torch.Tensor) -> torch.Tensor:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def rows_overlap(t: torch.Tensor) -> bool:
+    """True when distinct elements share memory (e.g. an expand()ed batch): writing a gradient
+    into such a tensor in place would have rows overwrite each other."""
+    # 1 = overlap for sure; 2 = "too hard to tell", which a strided view like logits[:, :-1] gets.
+    return torch._debug_has_internal_overlap(t) == 1

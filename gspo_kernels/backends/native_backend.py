@@ -1,15 +1,59 @@
-"""The compiled extension gspo_kernels._C (CPU and CUDA kernels), when it is built."""
+"""The compiled extension gspo_kernels._C: CPU and CUDA kernels registered as torch ops
+(schemas in csrc/ops.cpp), with fake implementations so torch.compile can trace them."""
 
 from __future__ import annotations
+
+import torch
+
+from .layout import with_unit_vocab_stride
 
 name = "native"
 
 _load_error: str | None = None
 try:
-    from gspo_kernels import _C  # noqa: F401  (registers the torch.ops.gspo_kernels ops)
+    from gspo_kernels import _C  # noqa: F401  (loading it registers torch.ops.gspo_kernels.*)
 except ImportError as exc:  # not built: the Triton and torch backends still work
+    _C = None
     _load_error = str(exc)
 
 
 def load_error() -> str | None:
     return _load_error
+
+
+def with_cuda() -> bool:
+    """Whether the extension was built with its CUDA kernels."""
+    return _C is not None and bool(_C.with_cuda)
+
+
+if _C is not None:
+
+    @torch.library.register_fake("gspo_kernels::token_stats")
+    def _(logits, targets, inv_temperature):
+        rows = logits.shape[:-1].numel()
+        return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+
+    @torch.library.register_fake("gspo_kernels::logits_grad")
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("gspo_kernels::logits_grad_")
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+        return None
+
+
+def token_stats(logits, targets, inv_temperature):
+    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, inv_temperature)
+
+
+def logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    return torch.ops.gspo_kernels.logits_grad(
+        with_unit_vocab_stride(logits), targets, lse, entropy, grad_logp, grad_entropy, inv_temperature
+    )
+
+
+def logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        return logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    torch.ops.gspo_kernels.logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    return logits

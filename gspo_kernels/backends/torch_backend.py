@@ -37,7 +37,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
     lse = (row_max + log_sum).squeeze(-1)
     q = log_q.exp()
     # q == 0 where a logit is -inf (a masked-out vocabulary entry): 0 * -inf must count as 0.
-    entropy = -torch.where(q > 0, q * log_q, torch.zeros_like(q)).sum(-1)
+    entropy = -torch.where(q == 0, torch.zeros_like(q), q * log_q).sum(-1)
     vocab = z.shape[-1]
     valid = (targets >= 0) & (targets < vocab)
     picked = log_q.gather(-1, targets.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
@@ -53,7 +53,8 @@ def _grad_rows(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_tempe
     if grad_entropy is not None:
         h = grad_entropy.to(q.dtype).unsqueeze(-1)
         coef = g + h * (log_q + entropy.to(q.dtype).unsqueeze(-1))
-    grad = -torch.where(q > 0, q * coef, torch.zeros_like(q))
+    # Only an exact zero (a -inf logit) is guarded: a NaN must stay NaN.
+    grad = -torch.where(q == 0, torch.zeros_like(q), q * coef)
     vocab = q.shape[-1]
     valid = ((targets >= 0) & (targets < vocab)).unsqueeze(-1)
     onehot_g = torch.zeros_like(q).scatter_(-1, targets.clamp(0, vocab - 1).long().unsqueeze(-1), g)

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from . import triton_kernels as kernels
-from .layout import RowLayout, next_power_of_2, with_unit_vocab_stride
+from .layout import RowLayout, next_power_of_2, rows_overlap, with_unit_vocab_stride
 
 name = "triton"
 
@@ -105,7 +105,10 @@ def _logits_grad_inplace_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
     grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_temperature: float,
 ) -> None:
-    # Each program reads a block of its row before writing the same block: in place is safe.
+    # Each program reads a block of its row before writing the same block: in place is safe,
+    # as long as no two rows share memory.
+    if rows_overlap(logits):
+        raise ValueError("logits_grad_: the logits' rows overlap in memory; use logits_grad")
     _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
 
 

@@ -40,7 +40,7 @@ def _block_softmax_stats(z):
     m = tl.max(z, 0)
     shift = _finite_or_zero(m)
     e = tl.exp(z - shift)
-    return m, tl.sum(e, 0), tl.sum(tl.where(e > 0, e * (z - shift), 0.0), 0)
+    return m, tl.sum(e, 0), tl.sum(tl.where(e == 0, 0.0, e * (z - shift)), 0)
 
 
 @triton.jit
@@ -81,7 +81,8 @@ def token_stats_kernel(
     valid = (target >= 0) & (target < vocab)
     # Guarded load: an out-of-range target never reads outside the row; its logp is NaN.
     z_target = tl.load(row_ptr + tl.where(valid, target, 0), mask=valid, other=0.0)
-    logp = tl.where(valid, z_target.to(tl.float32) * inv_temperature - lse, float("nan"))
+    # (z_y - m) - log s, not z_y - lse: no rounding of lse when the logits are large.
+    logp = tl.where(valid, (z_target.to(tl.float32) * inv_temperature - m) - log_s, float("nan"))
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, log_s - a / s)
     tl.store(lse_ptr + row, lse)
@@ -118,6 +119,7 @@ def logits_grad_kernel(
         else:
             coef = g
         # p == 0 at a -inf logit, where coef may be -inf: the product's true value is 0.
-        grad = tl.where(p > 0, -p * coef, 0.0) + tl.where(idx == target, g, 0.0)
+        # (Only exact zeros: a NaN logit must keep its row's gradient NaN.)
+        grad = tl.where(p == 0, 0.0, -p * coef) + tl.where(idx == target, g, 0.0)
         grad = tl.where(active, grad * inv_temperature, 0.0)
         tl.store(out_ptr + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < vocab)

@@ -1,5 +1,79 @@
-"""Placeholder until the benchmark suite lands (issue: benchmark suite and command line)."""
+"""`python -m gspo_kernels bench`: time and memory of every provider available here."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..bench.problem import DTYPES, Shape
+from ..bench.providers import PROVIDERS
+from ..bench.report import format_suite, plot_sweeps, write_json
+from ..bench.runner import SuiteConfig, SuiteResult, run_suite, steps_in
+from ..bench.timing import MODES
+from .progress import Progress
+
+# The CPU default is the native-kernel issue's problem; GPU shapes cover the common vocabularies.
+CPU_SHAPES = ("8x512x32768",)
+GPU_SHAPES = tuple(f"{n // 1024}x1024x{v}" for v in (32000, 128256, 151936) for n in (4096, 16384, 65536))
+CPU_SWEEPS = (("2x512x{}", (8192, 16384, 32768, 65536)), ("{}x512x32768", (1, 2, 4, 8)))
+GPU_SWEEPS = (("16x1024x{}", (32000, 65536, 128256, 151936)), ("{}x1024x151936", (4, 8, 16, 32)))
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def run(args) -> int:
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if on_gpu else "cpu"
+    shapes = tuple(Shape.parse(s) for s in (_csv(args.shapes) if args.shapes else GPU_SHAPES if on_gpu else CPU_SHAPES))
+    providers = _csv(args.providers) if args.providers else tuple(PROVIDERS)
+    unknown = [p for p in providers if p not in PROVIDERS]
+    modes = _csv(args.modes) if args.modes else MODES
+    if unknown or any(m not in MODES for m in modes) or args.dtype not in DTYPES:
+        print(f"providers are {', '.join(PROVIDERS)}; modes {', '.join(MODES)}; dtypes {', '.join(DTYPES)}")
+        return 2
+    cfg = SuiteConfig(shapes=shapes, dtype=args.dtype, providers=providers, modes=modes, reps=args.reps,
+                      warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device)
+    progress = Progress(steps_in(cfg))
+    result = run_suite(cfg, progress)
+    progress.close()
+    print(format_suite(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        sweeps = []
+        for pattern, values in GPU_SWEEPS if on_gpu else CPU_SWEEPS:
+            sweep_cfg = replace(cfg, shapes=tuple(Shape.parse(pattern.format(x)) for x in values), modes=("fwd+bwd",),
+                                providers=tuple(p for p in providers if p != "reference"))
+            sweep_progress = Progress(steps_in(sweep_cfg))
+            sweeps.append(run_suite(sweep_cfg, sweep_progress))
+            sweep_progress.close()
+        plot_sweeps(sweeps[0], sweeps[1], args.plot)
+        if args.json:
+            sweep_path = args.json.removesuffix(".json") + "_sweeps.json"
+            write_json(SuiteResult(meta=sweeps[0].meta, rows=sweeps[0].rows + sweeps[1].rows), sweep_path)
+            print(f"wrote {sweep_path}")
+        print(f"wrote {args.plot}")
+    failed = [r for r in result.rows if r.status == "error" and PROVIDERS[r.provider].ours]
+    for r in failed:
+        print(f"ERROR {r.provider} {r.mode}: {r.note}")
+    return 1 if failed else 0
 
 
 def add_parser(commands) -> None:
-    pass
+    p = commands.add_parser("bench", help="time and memory of every provider available on this machine")
+    p.add_argument("--shapes", help="comma-separated BxTxV (default: 8x512x32768 on CPU, a grid up to N=65536 on GPU)")
+    p.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--providers", help=f"comma-separated subset of: {', '.join(PROVIDERS)}")
+    p.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)}")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--budget", type=float, default=20.0, help="seconds per measurement before stopping at 3 reps")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--cpu", action="store_true", help="benchmark on the CPU even when a GPU is present")
+    p.add_argument("--json", help="write one row per (provider, shape, mode) to this file")
+    p.add_argument("--plot", help="also sweep V and N and draw time and memory to this PNG")
+    p.set_defaults(run=run)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The one prepared GPU run (about 8 minutes on an H200, with that machine's own python3:
+# torch 2.11, triton 3.6, nvcc 13.0). Builds the extension from source, checks the cuda and
+# triton backends against the float64 reference (fp32/bf16/fp16, padded and packed, V = 1000
+# and V = 151936), runs compute-sanitizer memcheck over every CUDA kernel variant, runs the test
+# suite on the GPU, and benchmarks forward + backward at N = 16384, V = 151936, bf16 against
+# the byte floor. Logs and JSON go to $OUT (the device tool brings them back).
+#
+#   device run:  bash benchmarks/gpu_check.sh          (timeout_s ~ 600)
+#   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+PY="${PY:-python3}"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export MAX_JOBS="${MAX_JOBS:-16}" GSPO_CUDA_ARCHS="${GSPO_CUDA_ARCHS:-90}"
+status=0
+step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+"$PY" -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__)"
+nvcc --version | tail -n 2 | head -n 1
+
+step "build (sm_${GSPO_CUDA_ARCHS})"
+if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -n 40 "$OUT/build.log"; exit 1
+fi
+"$PY" -c "import gspo_kernels._C as c; print('extension with_cuda =', c.with_cuda)"
+
+step "check against the float64 reference"
+"$PY" -m gspo_kernels check --backends cuda,triton,torch --vocab 1000 2>&1 | tee "$OUT/check_v1000.txt" | tail -n 3 || status=1
+"$PY" -m gspo_kernels check --backends cuda,triton --vocab 151936 --batch 4 2>&1 | tee "$OUT/check_v151936.txt" | tail -n 3 || status=1
+grep -h "FAIL" "$OUT"/check_v*.txt | head -n 20
+
+step "compute-sanitizer memcheck"
+compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/sanitizer_probe.py 2>&1 | tee "$OUT/memcheck.txt" | tail -n 4 || status=1
+
+step "test suite on the GPU"
+timeout 200 "$PY" -m pytest tests -q -x -p no:cacheprovider -k "not compile" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -n 6 || status=1
+
+step "benchmark: N = 16384, V = 151936, bf16"
+"$PY" -m gspo_kernels bench --shapes 16x1024x151936 --providers eager,eager_trl,compile,liger,triton,cuda \
+    --reps 10 --budget 10 --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt" | grep -v '^\[' || status=1
+
+step "done: status $status"
+exit $status

@@ -1,0 +1,244 @@
+// CPU kernels: rows in parallel (at::parallel_for), SIMD over the vocab (at::vec), fp32 math.
+//
+// Stage 1 streams each row in blocks of kBlock logits: one pass takes the block's max, a
+// second (from L1) one exp per element, and the block's stats merge into the row's
+// (gspo_math.h), so the row is read from memory once. Stage 3 is a single pass that loads,
+// computes and stores each SIMD vector. A NaN anywhere in a row makes that row's results NaN,
+// handled once per block or row rather than per element.
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#include "../gspo_math.h"
+#include "../op_common.h"
+
+namespace gspo::cpu {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kBlock = 4096;  // logits per block: 8-16 KiB, re-read from L1 by the second pass
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+struct VecOps {
+  // exp_u20: a polynomial exp within ~4 ulp on [-87, 0] (the only arguments the kernels pass),
+  // several times faster than Sleef's. It maps NaN to +inf, which is why NaN rows are
+  // caught before it (see the file comment).
+  static Vec exp(const Vec& x) { return x.exp_u20(); }
+  static Vec zero_where_zero(const Vec& p, const Vec& x) { return Vec::blendv(x, Vec(0.f), p == Vec(0.f)); }
+};
+
+struct ScalarOps {
+  static float exp(float x) { return std::exp(x); }
+  static float zero_where_zero(float p, float x) { return p == 0.f ? 0.f : x; }
+};
+
+// The kernels walk a row one storage vector at a time (8 fp32 or 16 bf16/fp16 logits with
+// AVX2), handing each fp32 vector in it to a functor: `visit` only reads, `transform` writes
+// f(z) back in the storage type (16-bit: two fp32 halves packed into one store).
+template <typename scalar_t>
+constexpr int64_t kStep = at::vec::Vectorized<scalar_t>::size();
+
+inline void load_pair(const at::BFloat16* p, Vec& a, Vec& b) { at::vec::load_fp32_from_bf16(p, a, b); }
+inline void load_pair(const at::Half* p, Vec& a, Vec& b) { at::vec::load_fp32_from_fp16(p, a, b); }
+inline at::vec::Vectorized<at::BFloat16> pack_pair(const Vec& a, const Vec& b, const at::BFloat16*) {
+  return at::vec::convert_float_bfloat16(a, b);
+}
+inline at::vec::Vectorized<at::Half> pack_pair(const Vec& a, const Vec& b, const at::Half*) {
+  return at::vec::convert_float_half(a, b);
+}
+
+template <typename F>
+void visit(const float* src, F&& f) {
+  f(Vec::loadu(src));
+}
+template <typename half_t, typename F>
+void visit(const half_t* src, F&& f) {
+  Vec a, b;
+  load_pair(src, a, b);
+  f(a);
+  f(b);
+}
+
+template <typename F>
+void transform(const float* src, float* dst, F&& f) {
+  f(Vec::loadu(src)).store(dst);
+}
+template <typename half_t, typename F>
+void transform(const half_t* src, half_t* dst, F&& f) {
+  Vec a, b;
+  load_pair(src, a, b);
+  pack_pair(f(a), f(b), dst).store(dst);
+}
+
+inline float reduce(const Vec& v, bool take_max) {
+  if (take_max) {
+    return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+  }
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
+}
+
+// Softmax stats of z = src[0:n] * scale, reading src twice (the second time from L1).
+template <typename scalar_t>
+SoftmaxStats block_stats(const scalar_t* src, int64_t n, float scale) {
+  const Vec vscale(scale);
+  const int64_t n_vec = n - n % kStep<scalar_t>;
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    visit(src + i, [&](const Vec& x) { vmax = at::vec::maximum(vmax, x * vscale); });  // NaN-propagating
+  }
+  float m = reduce(vmax, /*take_max=*/true);
+  for (int64_t i = n_vec; i < n; ++i) {
+    const float z = static_cast<float>(src[i]) * scale;
+    m = std::isnan(z) ? z : std::max(m, z);
+  }
+  if (std::isnan(m)) return {kNaN, kNaN, kNaN};
+  const float shift = finite_or_zero(m);
+  const Vec vshift(shift);
+  Vec vsum(0.f), vshifted(0.f);
+  for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    visit(src + i, [&](const Vec& x) { accumulate_shifted<VecOps>(x * vscale, vshift, vsum, vshifted); });
+  }
+  float sum = reduce(vsum, false), shifted = reduce(vshifted, false);
+  for (int64_t i = n_vec; i < n; ++i) {
+    accumulate_shifted<ScalarOps>(static_cast<float>(src[i]) * scale, shift, sum, shifted);
+  }
+  return {m, sum, shifted};
+}
+
+int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(vocab, 1)); }
+
+template <typename scalar_t>
+void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const int64_t* targets, float inv_t,
+                      float* logp, float* entropy, float* lse) {
+  const scalar_t* base = logits.const_data_ptr<scalar_t>();
+  at::parallel_for(0, layout.rows, grain_rows(layout.vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* row_ptr = base + layout.offset(row);
+      SoftmaxStats st = empty_stats();
+      for (int64_t start = 0; start < layout.vocab; start += kBlock) {
+        st = merge_stats(st, block_stats(row_ptr + start, std::min(kBlock, layout.vocab - start), inv_t));
+      }
+      const RowResult r = finish_stats(st);
+      const int64_t y = targets[row];
+      const bool valid = y >= 0 && y < layout.vocab;  // never read outside the row
+      logp[row] = valid ? r.logprob(static_cast<float>(row_ptr[y]) * inv_t) : kNaN;
+      entropy[row] = r.entropy;
+      lse[row] = r.lse;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& logits, const at::Tensor& targets,
+                                                           double inv_temperature) {
+  check_logits(logits, c10::kCPU);
+  const RowLayout layout = row_layout(logits);
+  check_row_vector("targets", targets, logits, layout.rows, at::kLong);
+  const auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({layout.rows}, opts);
+  at::Tensor entropy = at::empty({layout.rows}, opts);
+  at::Tensor lse = at::empty({layout.rows}, opts);
+  GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
+    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), static_cast<float>(inv_temperature),
+                               logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
+  });
+  return {logp, entropy, lse};
+}
+
+template <typename scalar_t, bool kEntropyGrad>
+void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, const RowLayout& out,
+               const GradInputs& g_in, float inv_t) {
+  const scalar_t* in_base = logits.const_data_ptr<scalar_t>();
+  scalar_t* out_base = grad.data_ptr<scalar_t>();
+  const int64_t* targets = g_in.targets.const_data_ptr<int64_t>();
+  const float* lse = g_in.lse.const_data_ptr<float>();
+  const float* entropy = g_in.entropy.const_data_ptr<float>();
+  const float* grad_logp = g_in.grad_logp.const_data_ptr<float>();
+  const float* grad_entropy = kEntropyGrad ? g_in.grad_entropy->const_data_ptr<float>() : nullptr;
+  const int64_t vocab = in.vocab;
+  const int64_t n_vec = vocab - vocab % kStep<scalar_t>;
+  at::parallel_for(0, in.rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* src = in_base + in.offset(row);
+      scalar_t* dst = out_base + out.offset(row);
+      const float g = grad_logp[row];
+      const float h = kEntropyGrad ? grad_entropy[row] : 0.f;
+      const float row_lse = lse[row], row_entropy = kEntropyGrad ? entropy[row] : 0.f;
+      if ((g == 0.f && h == 0.f) || std::isnan(row_lse)) {
+        // Padding: exact zeros, never reading the row. A row holding a NaN: NaN throughout.
+        std::fill_n(dst, vocab, scalar_t((g == 0.f && h == 0.f) ? 0.f : kNaN));
+        continue;
+      }
+      const int64_t y = targets[row];
+      const bool has_target = y >= 0 && y < vocab;
+      // Read before the loop: in place, the loop overwrites src[y].
+      const float z_target = has_target ? static_cast<float>(src[y]) * inv_t : 0.f;
+      const Vec vscale(inv_t), vlse(row_lse), vent(row_entropy), vg(g), vh(h);
+      for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+        transform(src + i, dst + i, [&](const Vec& x) {
+          return softmax_grad_term<VecOps, kEntropyGrad>(x * vscale, vlse, vent, vg, vh) * vscale;
+        });
+      }
+      for (int64_t i = n_vec; i < vocab; ++i) {
+        const float z = static_cast<float>(src[i]) * inv_t;
+        dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z, row_lse, row_entropy, g, h) * inv_t);
+      }
+      if (has_target) {
+        const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target, row_lse, row_entropy, g, h);
+        dst[y] = scalar_t((term + g) * inv_t);
+      }
+    }
+  });
+}
+
+// A fresh gradient buffer of hundreds of MB costs more in first-touch page faults than the
+// kernel takes to fill it; asking for 2 MiB pages (where the system grants transparent huge
+// pages on request) cuts that time by ~2.5x here. Advisory: a refusal changes nothing.
+void advise_huge_pages(const at::Tensor& t) {
+#ifdef __linux__
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
+void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g_in, double inv_temperature) {
+  check_logits(logits, c10::kCPU);
+  if (!grad.is_same(logits)) advise_huge_pages(grad);  // before the first write touches a page
+  const RowLayout in = row_layout(logits);
+  const RowLayout out = row_layout(grad);
+  g_in.check(logits, in.rows);
+  const float inv_t = static_cast<float>(inv_temperature);
+  GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::logits_grad", [&] {
+    if (g_in.grad_entropy.has_value()) {
+      grad_rows<scalar_t, true>(logits, in, grad, out, g_in, inv_t);
+    } else {
+      grad_rows<scalar_t, false>(logits, in, grad, out, g_in, inv_t);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
+  m.impl("token_stats", &token_stats);
+  m.impl("logits_grad", &logits_grad_op<launch_grad>);
+  m.impl("logits_grad_", &logits_grad_inplace_op<launch_grad>);
+}
+
+}  // namespace gspo::cpu

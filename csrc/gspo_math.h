@@ -1,0 +1,106 @@
+// Per-element math of the GSPO kernels, shared by the CPU and CUDA code.
+//
+// Softmax statistics of a set of logits z (already divided by the temperature):
+//     max = max z,  sum = sum exp(z - max),  shifted = sum exp(z - max) * (z - max)
+// give lse = max + log(sum) and the entropy H = log(sum) - shifted / sum. Shifting by the
+// max before summing z * exp(z) keeps H accurate for logits far from zero. Two such triples
+// over disjoint sets merge exactly (merge_stats), which is all the online loop needs: a
+// kernel takes the stats of a small block of logits at the block's own max, then merges.
+//
+// The element-wise functions are templates over a math policy `Ops` that supplies
+//     static T exp(T);                      // e^x: 0 for -inf, NaN for NaN
+//     static T zero_where_zero(T p, T x);   // p == 0 ? 0 : x
+// so the same formula runs on scalars (CUDA threads) and on SIMD vectors (the CPU kernel).
+// Only exact zeros are guarded (a -inf logit, where x is 0 * inf): a NaN logit keeps its
+// row's results NaN, as the reference's are.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define GSPO_HD __host__ __device__ __forceinline__
+#else
+#define GSPO_HD inline
+#endif
+
+namespace gspo {
+
+struct SoftmaxStats {
+  float max;
+  float sum;
+  float shifted;
+};
+
+GSPO_HD SoftmaxStats empty_stats() { return {-INFINITY, 0.f, 0.f}; }
+
+// A set with no finite logit has max = -inf: shifting by 0 instead keeps exp() NaN-free.
+GSPO_HD float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
+
+GSPO_HD SoftmaxStats merge_stats(const SoftmaxStats& x, const SoftmaxStats& y) {
+  const float m = fmaxf(x.max, y.max);
+  const float shift = finite_or_zero(m);
+  const float wx = expf(x.max - shift);
+  const float wy = expf(y.max - shift);
+  // (max_i - m) * sum_i is 0 * -inf for an empty set; its true contribution is 0.
+  const float ax = x.shifted + (x.sum > 0.f ? (x.max - shift) * x.sum : 0.f);
+  const float ay = y.shifted + (y.sum > 0.f ? (y.max - shift) * y.sum : 0.f);
+  return {m, wx * x.sum + wy * y.sum, wx * ax + wy * ay};
+}
+
+struct RowResult {
+  float max;
+  float log_sum;
+  float lse;
+  float entropy;
+
+  // log p of a (temperature-scaled) logit: (z - max) - log(sum) rather than z - lse, so large
+  // logits lose nothing to the rounding of lse.
+  GSPO_HD float logprob(float z) const { return (z - max) - log_sum; }
+};
+
+GSPO_HD RowResult finish_stats(const SoftmaxStats& st) {
+  const float log_sum = logf(st.sum);
+  return {st.max, log_sum, st.max + log_sum, log_sum - st.shifted / st.sum};
+}
+
+// Adds one logit (or one vector of logits) to block sums taken at `shift`:
+// sum += exp(z - shift), shifted += exp(z - shift) * (z - shift); a -inf logit adds 0.
+template <class Ops, class T>
+GSPO_HD void accumulate_shifted(T z, T shift, T& sum, T& shifted) {
+  const T d = z - shift;
+  const T e = Ops::exp(d);
+  sum = sum + e;
+  shifted = shifted + Ops::zero_where_zero(e, e * d);
+}
+
+// dLoss/dz for one vocab entry, without the one-hot term g * 1[v == y]:
+//     -p * (g + h * (log p + H)),   p = exp(z - lse),
+// with 0 where p = 0 (a -inf logit, where log p + H is -inf and the product is 0 * inf).
+template <class Ops, bool kEntropyGrad, class T>
+GSPO_HD T softmax_grad_term(T z, T lse, T entropy, T g, T h) {
+  const T log_p = z - lse;
+  const T p = Ops::exp(log_p);
+  T coef = g;
+  if constexpr (kEntropyGrad) {
+    coef = g + h * (log_p + entropy);
+  }
+  return Ops::zero_where_zero(p, T(0.f) - p * coef);
+}
+
+// Where row r of a (B, T, V) or (N, V) tensor starts, in elements. Two strides let a kernel
+// read logits[:, :-1] without a copy; packed (N, V) is rows_per_batch = N, stride_b = 0.
+// int64 throughout: N * V passes 2^31 at N = 14k, V = 152k.
+struct RowLayout {
+  int64_t rows;
+  int64_t rows_per_batch;
+  int64_t stride_b;
+  int64_t stride_t;
+  int64_t vocab;
+
+  GSPO_HD int64_t offset(int64_t row) const {
+    return (row / rows_per_batch) * stride_b + (row % rows_per_batch) * stride_t;
+  }
+};
+
+}  // namespace gspo

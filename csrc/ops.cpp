@@ -1,0 +1,31 @@
+// The op schemas, declared once; the CPU and CUDA files register their implementations.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(gspo_kernels, m) {
+  // Stage 1: per row, log_softmax(logits * inv_temperature) at the target, the entropy, and
+  // the logsumexp kept for stage 3. Each output is a float32 (rows,) vector.
+  m.def("token_stats(Tensor logits, Tensor targets, float inv_temperature) -> (Tensor, Tensor, Tensor)");
+  // Stage 3: dLoss/dlogits from dLoss/dlogp and dLoss/dentropy, in the logits' dtype.
+  m.def(
+      "logits_grad(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
+      "Tensor? grad_entropy, float inv_temperature) -> Tensor");
+  // The same, written over the logits.
+  m.def(
+      "logits_grad_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
+      "Tensor? grad_entropy, float inv_temperature) -> ()");
+}
+
+#ifndef GSPO_CPU_CAPABILITY_NAME
+#define GSPO_CPU_CAPABILITY_NAME "DEFAULT"
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gspo_kernels native ops (registered under torch.ops.gspo_kernels)";
+#ifdef GSPO_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.attr("cpu_capability") = GSPO_CPU_CAPABILITY_NAME;
+}

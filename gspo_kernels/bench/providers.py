@@ -1,0 +1,173 @@
+"""Every implementation the benchmark times, behind one interface.
+
+A provider turns a BenchProblem into a Step: a leaf logits tensor and `loss()`, a scalar
+differentiable in it. All compute GSPO at sequence level with seq-mean-token-mean
+aggregation, on every row of the batch. Baselines:
+
+    eager      the usual trainer code: log_softmax(logits.float()) + gather + GSPO formula
+    eager_trl  the same objective with log-probs taken one sequence at a time, as TRL's
+               selective_log_softmax does to save memory (log_softmax per row for 16-bit
+               logits, logsumexp per row for fp32)
+    compile    torch.compile of `eager`
+    reference  gspo_kernels.reference.gspo_loss: the float64 oracle
+    liger      Liger-Kernel's triton_grpo_loss(importance_sampling_level="sequence")
+and this package's backends: torch, triton, cpu, cuda.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import backends, reference
+from ..loss import gspo_loss
+from .problem import EPS_HIGH, EPS_LOW, BenchProblem
+
+
+def gspo_from_logprobs(logp, old, adv, mask):
+    """Sequence-level GSPO from per-token log-probs, as a trainer would write it."""
+    m = mask.to(logp.dtype)
+    count = m.sum(1)
+    seq_ratio = torch.exp(((logp - old) * m).sum(1) / count.clamp(min=1))
+    per_seq = -torch.minimum(seq_ratio * adv, seq_ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * adv)
+    has_response = (count > 0).to(logp.dtype)
+    return (per_seq * has_response).sum() / has_response.sum().clamp(min=1)
+
+
+def _eager_logprobs(logits, targets):
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _trl_style_logprobs(logits, targets):
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return picked - lse
+    rows = [torch.log_softmax(row, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1) for row, t in zip(logits, targets)]
+    return torch.stack(rows).float()
+
+
+def _eager_loss(logits, targets, old, adv, mask):
+    return gspo_from_logprobs(_eager_logprobs(logits, targets), old, adv, mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_eager():
+    return torch.compile(_eager_loss)
+
+
+def _liger_available(device: str) -> str | None:
+    if device != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss  # noqa: F401
+    except ImportError:
+        return "liger-kernel not installed (pip install liger-kernel)"
+    return None
+
+
+@dataclass
+class Step:
+    leaf: torch.Tensor  # requires grad; its .grad is the logits gradient
+    loss: Callable[[], torch.Tensor]
+
+
+def _on_logits(fn):
+    """A Step over the problem's own (B, T, V) logits."""
+
+    def build(p: BenchProblem) -> Step:
+        leaf = p.logits.detach().requires_grad_()
+        return Step(leaf, lambda: fn(leaf, p))
+
+    return build
+
+
+def _liger_step(p: BenchProblem) -> Step:
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    # Liger takes (B, T + 1, V) logits and drops the last position itself: give it its own input.
+    pad = torch.zeros(p.shape.batch, 1, p.shape.vocab, dtype=p.dtype, device=p.logits.device)
+    leaf = torch.cat([p.logits.detach(), pad], dim=1).requires_grad_()
+
+    def loss():
+        value, _ = triton_grpo_loss(leaf, p.old_logprobs, None, p.target_ids, p.advantages, p.mask,
+                                    temperature=1.0, beta=0.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, inplace=False,
+                                    loss_type="grpo", importance_sampling_level="sequence", reduce=True)
+        return value
+
+    return Step(leaf, loss)
+
+
+def _ours(backend: str):
+    def loss(logits, p):
+        value, _ = gspo_loss(logits, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask,
+                             eps_low=EPS_LOW, eps_high=EPS_HIGH, backend=backend)
+        return value
+
+    return _on_logits(loss)
+
+
+def _ours_available(backend: str):
+    def available(device: str) -> str | None:
+        if backend == "triton":
+            if backends.triton_backend is None:
+                return "triton not installed"
+            if device != "cuda":
+                return "CPU runs Triton only through its interpreter: a correctness path, not timed"
+        if backend in ("cpu", "cuda"):
+            if not backends.native_available():
+                return "extension gspo_kernels._C not built"
+            if device != backend:
+                return f"needs {backend} tensors"
+            if backend == "cuda" and not backends.native_backend.with_cuda():
+                return "extension built without CUDA"
+        return None
+
+    return available
+
+
+def _always(device: str) -> str | None:
+    return None
+
+
+def _baseline(logprobs_fn):
+    return _on_logits(lambda logits, p: gspo_from_logprobs(logprobs_fn(logits, p.target_ids), p.old_logprobs,
+                                                           p.advantages, p.mask))
+
+
+def _compiled(logits, p):
+    return _compiled_eager()(logits, p.target_ids, p.old_logprobs, p.advantages, p.mask)
+
+
+def _reference(logits, p):
+    value, _ = reference.gspo_loss(logits, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask,
+                                   eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    return value
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    build: Callable[[BenchProblem], Step]
+    unavailable: Callable[[str], str | None]  # reason it cannot run on a device, or None
+    ours: bool = False
+
+
+PROVIDERS = {
+    p.name: p
+    for p in [
+        Provider("eager", _baseline(_eager_logprobs), _always),
+        Provider("eager_trl", _baseline(_trl_style_logprobs), _always),
+        Provider("compile", _on_logits(_compiled), _always),
+        Provider("reference", _on_logits(_reference), _always),
+        Provider("liger", _liger_step, _liger_available),
+        Provider("torch", _ours("torch"), _ours_available("torch"), ours=True),
+        Provider("triton", _ours("triton"), _ours_available("triton"), ours=True),
+        Provider("cpu", _ours("cpu"), _ours_available("cpu"), ours=True),
+        Provider("cuda", _ours("cuda"), _ours_available("cuda"), ours=True),
+    ]
+}
+BASELINE = "eager"

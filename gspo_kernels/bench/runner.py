@@ -1,0 +1,129 @@
+"""Runs providers x shapes x modes and collects one row per measurement."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .memory import cpu_peak_bytes, gpu_peak_bytes
+from .problem import DTYPES, Shape, floor_bytes, make_bench_problem
+from .providers import PROVIDERS
+from .timing import MODES, copy_bandwidth_gbs, time_mode
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    shapes: tuple[Shape, ...]
+    dtype: str = "bf16"
+    providers: tuple[str, ...] = tuple(PROVIDERS)
+    modes: tuple[str, ...] = MODES
+    reps: int = 10
+    warmup: int = 1
+    budget_s: float = 20.0  # per (provider, shape, mode): slow baselines stop after 3 repetitions
+    measure_memory: bool = True
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class BenchRow:
+    provider: str
+    batch: int
+    seq_len: int
+    vocab: int
+    tokens: int
+    dtype: str
+    mode: str
+    device: str
+    status: str  # ok | skipped | oom | error
+    median_ms: float | None = None
+    peak_mem_mib: float | None = None  # forward + backward, beyond the inputs
+    floor_fraction: float | None = None  # (byte floor / copy bandwidth) / median time
+    note: str = ""
+
+
+@dataclass
+class SuiteResult:
+    meta: dict
+    rows: list[BenchRow] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"meta": self.meta, "rows": [asdict(r) for r in self.rows]}
+
+
+def machine_meta(device: str, bandwidth_gbs: float) -> dict:
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "copy_bandwidth_gbs": round(bandwidth_gbs, 1),
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+
+
+def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: float, progress) -> list[BenchRow]:
+    provider = PROVIDERS[name]
+    base = dict(provider=name, batch=shape.batch, seq_len=shape.seq_len, vocab=shape.vocab, tokens=shape.tokens,
+                dtype=cfg.dtype, device=cfg.device)
+    reason = provider.unavailable(cfg.device)
+    if reason is not None:
+        for _ in range(len(cfg.modes) + int(cfg.measure_memory)):
+            progress.step(f"{name} {shape}: skipped")
+        return [BenchRow(**base, mode=m, status="skipped", note=reason) for m in cfg.modes]
+    rows = []
+    step = None
+    try:
+        step = provider.build(problem)
+        for mode in cfg.modes:
+            progress.step(f"{name} {shape} {mode}")
+            ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
+            floor_ms = floor_bytes(shape, DTYPES[cfg.dtype], mode) / (bandwidth * 1e9) * 1e3
+            rows.append(BenchRow(**base, mode=mode, status="ok", median_ms=ms, floor_fraction=floor_ms / ms))
+        if cfg.measure_memory:
+            progress.step(f"{name} {shape} peak memory")
+            peak = gpu_peak_bytes(step) if cfg.device == "cuda" else cpu_peak_bytes(name, shape, cfg.dtype)
+            for r in rows:
+                r.peak_mem_mib = peak / 2**20
+    except Exception as exc:  # one provider failing (OOM, missing op) must not end the suite
+        status = "oom" if _is_oom(exc) else "error"
+        done = {r.mode for r in rows}
+        rows += [BenchRow(**base, mode=m, status=status, note=f"{type(exc).__name__}: {str(exc)[:200]}")
+                 for m in cfg.modes if m not in done]
+    finally:
+        del step
+        gc.collect()
+        if cfg.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
+    bandwidth = copy_bandwidth_gbs(cfg.device)
+    result = SuiteResult(meta=machine_meta(cfg.device, bandwidth) | {"dtype": cfg.dtype})
+    for shape in cfg.shapes:
+        problem = make_bench_problem(shape, DTYPES[cfg.dtype], cfg.device)
+        for name in cfg.providers:
+            result.rows += _measure(cfg, name, problem, shape, bandwidth, progress)
+        del problem
+        gc.collect()
+    return result
+
+
+def steps_in(cfg: SuiteConfig) -> int:
+    """Progress steps the suite will report (modes, plus a memory step per provider)."""
+    return len(cfg.shapes) * len(cfg.providers) * (len(cfg.modes) + int(cfg.measure_memory))

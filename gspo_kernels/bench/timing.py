@@ -1,0 +1,76 @@
+"""Median wall time of one mode of a Step, warm-up first.
+
+On a GPU: CUDA events around each repetition, with the L2 cache flushed in between so a
+repetition never reads logits a previous one left in cache. On a CPU: perf_counter.
+Repetitions stop at `reps`, or earlier once `budget_s` is spent (after at least 3).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .providers import Step
+
+MODES = ("forward", "backward", "fwd+bwd")
+_L2_FLUSH_BYTES = 256 << 20  # well above an H100/H200's 50 MB L2
+
+
+class _Clock:
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def time_ms(self, fn) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        self.flush.zero_()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end)
+
+
+def time_mode(step: Step, mode: str, device: str, reps: int = 10, warmup: int = 1, budget_s: float = 20.0) -> float:
+    clock = _Clock(device)
+
+    def forward():
+        step.loss()
+
+    def fwd_bwd():
+        step.leaf.grad = None
+        step.loss().backward()
+
+    if mode == "backward":
+        loss = step.loss()
+
+        def run():
+            step.leaf.grad = None
+            loss.backward(retain_graph=True)
+    else:
+        run = forward if mode == "forward" else fwd_bwd
+
+    for _ in range(warmup):
+        run()
+    times: list[float] = []
+    spent = time.perf_counter()
+    while len(times) < reps and (len(times) < 3 or time.perf_counter() - spent < budget_s):
+        times.append(clock.time_ms(run))
+    step.leaf.grad = None
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
+    """Measured copy bandwidth, read + write counted: the ceiling for a memory-bound kernel."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages before timing
+    clock = _Clock(device)
+    ms = statistics.median(clock.time_ms(lambda: dst.copy_(src)) for _ in range(7))
+    return 2 * nbytes / (ms * 1e-3) / 1e9

@@ -1,0 +1,46 @@
+"""The benchmark machinery on a tiny problem: it runs, reports and writes what it says.
+(No timing is asserted: speed and memory are measured by `python -m gspo_kernels bench`.)"""
+
+import json
+
+import pytest
+
+from gspo_kernels.bench.problem import Shape, floor_bytes
+from gspo_kernels.bench.providers import PROVIDERS
+from gspo_kernels.cli import main
+
+
+def test_shape_parsing_and_byte_floor():
+    import torch
+
+    assert Shape.parse("8x512x32768") == Shape(8, 512, 32768)
+    assert floor_bytes(Shape(8, 512, 32768), torch.bfloat16, "fwd+bwd") == 3 * 8 * 512 * 32768 * 2
+    with pytest.raises(ValueError, match="BxTxV"):
+        Shape.parse("8x512")
+
+
+def test_bench_writes_rows_for_every_provider(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--shapes", "2x16x256", "--reps", "2", "--budget", "1",
+                 "--providers", "eager,eager_trl,torch,cpu,liger", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["provider"], r["mode"]) for r in rows} == {
+        (p, m) for p in ("eager", "eager_trl", "torch", "cpu", "liger") for m in ("forward", "backward", "fwd+bwd")}
+    ok = [r for r in rows if r["provider"] in ("eager", "torch") and r["status"] == "ok"]
+    assert len(ok) == 6
+    assert all(r["median_ms"] > 0 and r["peak_mem_mib"] is not None and r["floor_fraction"] > 0 for r in ok)
+    assert all(r["status"] == "skipped" and "GPU" in r["note"] for r in rows if r["provider"] == "liger")
+    table = capsys.readouterr().out
+    assert "speed-up vs eager" in table and "skipped: liger" in table
+
+
+def test_check_passes_on_the_torch_backend(capsys):
+    assert main(["check", "--backends", "torch", "--vocab", "64", "--seq-len", "6"]) == 0
+    assert "18/18 cases pass" in capsys.readouterr().out
+
+
+def test_every_provider_has_a_reason_when_unavailable():
+    for provider in PROVIDERS.values():
+        reason = provider.unavailable("cpu")
+        assert reason is None or isinstance(reason, str) and reason

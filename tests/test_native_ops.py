@@ -1,0 +1,98 @@
+"""The compiled ops gspo_kernels::{token_stats, logits_grad, logits_grad_}: opcheck (schema,
+fake tensors, autograd registration, AOT dispatch), argument checks, and the build itself."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from gspo_kernels import backends
+
+pytestmark = pytest.mark.skipif(not backends.native_available(), reason="extension gspo_kernels._C not built")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and backends.native_backend.with_cuda() else [])
+
+
+def _inputs(device, dtype, shape=(3, 5, 97), strided=False):
+    full = torch.randn(shape[0], shape[1] + 1, shape[2]) if strided else torch.randn(shape)
+    logits = (full[:, :-1] if strided else full).to(dtype).to(device)
+    rows = shape[0] * shape[1]
+    targets = torch.randint(0, shape[2], (rows,), device=device)
+    return logits, targets
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_token_stats(device, dtype, strided):
+    logits, targets = _inputs(device, dtype, strided=strided)
+    torch.library.opcheck(torch.ops.gspo_kernels.token_stats.default, (logits, targets, 0.9))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_logits_grad(device, dtype, with_entropy):
+    logits, targets = _inputs(device, dtype, strided=True)
+    _, entropy, lse = torch.ops.gspo_kernels.token_stats(logits, targets, 1.0)
+    grad_logp = torch.randn_like(lse)
+    grad_logp[::3] = 0  # padding rows
+    grad_entropy = torch.randn_like(lse) if with_entropy else None
+    args = (targets, lse, entropy, grad_logp, grad_entropy, 1.0)
+    torch.library.opcheck(torch.ops.gspo_kernels.logits_grad.default, (logits, *args))
+    inplace = logits.clone()
+    torch.library.opcheck(torch.ops.gspo_kernels.logits_grad_.default, (inplace, *args))
+    expected = torch.ops.gspo_kernels.logits_grad(logits, *args)
+    torch.ops.gspo_kernels.logits_grad_(inplace, *args)
+    assert torch.equal(inplace, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_raw_op_argument_checks(device):
+    logits, targets = _inputs(device, torch.float32)
+    with pytest.raises(RuntimeError, match="targets must be"):
+        torch.ops.gspo_kernels.token_stats(logits, targets.int(), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.gspo_kernels.token_stats(logits, targets[:-1], 1.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.gspo_kernels.token_stats(logits.double(), targets, 1.0)
+    with pytest.raises(RuntimeError, match="stride 1"):
+        torch.ops.gspo_kernels.token_stats(logits.transpose(1, 2), targets, 1.0)
+    _, entropy, lse = torch.ops.gspo_kernels.token_stats(logits, targets, 1.0)
+    with pytest.raises(RuntimeError, match="grad_logp must be"):
+        torch.ops.gspo_kernels.logits_grad(logits, targets, lse, entropy, lse[:-1], None, 1.0)
+
+
+def _cuobjdump():
+    triton_bin = None
+    try:
+        import triton
+
+        triton_bin = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    except ImportError:
+        pass
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    for candidate in (pathlib.Path(cuda_home) / "bin" / "cuobjdump", triton_bin):
+        if candidate is not None and candidate.exists():
+            return str(candidate)
+    return shutil.which("cuobjdump")
+
+
+def test_cuda_part_carries_sm90_machine_code():
+    """CI sets GSPO_REQUIRE_CUDA_BUILD=1: there the CUDA kernels must have been built."""
+    if not backends.native_backend.with_cuda():
+        if os.environ.get("GSPO_REQUIRE_CUDA_BUILD") == "1":
+            pytest.fail("the extension was built without its CUDA kernels")
+        pytest.skip("extension built without CUDA")
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump")
+    so = backends.native_backend._C.__file__
+    listing = subprocess.run([tool, "--list-elf", so], capture_output=True, text=True, check=True).stdout
+    assert "sm_90" in listing, listing
+    sass = subprocess.run([tool, "-sass", "-arch", "sm_90", so], capture_output=True, text=True, check=True).stdout
+    assert "token_stats_kernel" in sass and "logits_grad_kernel" in sass
+    assert "LDG.E.128" in sass and "STG.E.128" in sass  # the 16-byte loads and stores are there
