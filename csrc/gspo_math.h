@@ -8,11 +8,10 @@
 // kernel takes the stats of a small block of logits at the block's own max, then merges.
 //
 // The element-wise functions are templates over a math policy `Ops` that supplies
-//     static T exp(T);                      // e^x: 0 for -inf, NaN for NaN
-//     static T zero_where_zero(T p, T x);   // p == 0 ? 0 : x
+//     static T exp(T);            // e^x: 0 for -inf, NaN for NaN
+//     static T max(T a, T b);     // plain max (which operand a NaN yields does not matter here)
+//     static T fma(T a, T b, T c);
 // so the same formula runs on scalars (CUDA threads) and on SIMD vectors (the CPU kernel).
-// Only exact zeros are guarded (a -inf logit, where x is 0 * inf): a NaN logit keeps its
-// row's results NaN, as the reference's are.
 #pragma once
 
 #include <cmath>
@@ -64,28 +63,31 @@ GSPO_HD RowResult finish_stats(const SoftmaxStats& st) {
   return {st.max, log_sum, st.max + log_sum, log_sum - st.shifted / st.sum};
 }
 
-// Adds one logit (or one vector of logits) to block sums taken at `shift`:
-// sum += exp(z - shift), shifted += exp(z - shift) * (z - shift); a -inf logit adds 0.
+// log-probabilities below this are probability 0 in fp32 (e^-104 is under the smallest
+// subnormal). Clamping a log-prob or shifted logit there changes no value, but keeps a
+// product with p == 0 finite where it would be 0 * -inf = NaN (a -inf logit).
+constexpr float kLogFloor = -200.f;
+
+// Adds one shifted logit d = z - shift (or a vector of them) to block sums:
+// sum += e^d, shifted += e^d * d. A -inf logit adds 0; a NaN makes both sums NaN.
 template <class Ops, class T>
-GSPO_HD void accumulate_shifted(T z, T shift, T& sum, T& shifted) {
-  const T d = z - shift;
+GSPO_HD void accumulate_shifted(T d, T& sum, T& shifted) {
   const T e = Ops::exp(d);
   sum = sum + e;
-  shifted = shifted + Ops::zero_where_zero(e, e * d);
+  shifted = Ops::fma(e, Ops::max(d, T(kLogFloor)), shifted);
 }
 
-// dLoss/dz for one vocab entry, without the one-hot term g * 1[v == y]:
-//     -p * (g + h * (log p + H)),   p = exp(z - lse),
-// with 0 where p = 0 (a -inf logit, where log p + H is -inf and the product is 0 * inf).
+// dLoss/dx for one vocab entry, without the one-hot term, from log p = z - lse:
+//     -p * (g + h * (log p + H)) / temperature
+// with the caller passing neg_g = -g / temperature and neg_h = -h / temperature.
 template <class Ops, bool kEntropyGrad, class T>
-GSPO_HD T softmax_grad_term(T z, T lse, T entropy, T g, T h) {
-  const T log_p = z - lse;
+GSPO_HD T softmax_grad_term(T log_p, T entropy, T neg_g, T neg_h) {
   const T p = Ops::exp(log_p);
-  T coef = g;
   if constexpr (kEntropyGrad) {
-    coef = g + h * (log_p + entropy);
+    return p * Ops::fma(neg_h, Ops::max(log_p, T(kLogFloor)) + entropy, neg_g);
+  } else {
+    return p * neg_g;  // finite coefficient: p == 0 gives 0, a NaN stays NaN
   }
-  return Ops::zero_where_zero(p, T(0.f) - p * coef);
 }
 
 // Where row r of a (B, T, V) or (N, V) tensor starts, in elements. Two strides let a kernel

@@ -164,3 +164,22 @@ def test_logprobs_of_huge_logits_keep_their_precision(backend, seed):
     logp = gk.selective_log_softmax(logits, targets, backend=backend)
     ref = torch.log_softmax(logits.double(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     assert (logp.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), float("inf")], ids=["all-minus-inf", "plus-inf"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_a_finite_softmax_get_nan_gradients(backend, fill, seed):
+    """All -inf (no distribution) or a +inf logit: NaN, as the reference gives, never a finite value."""
+    device = device_for(backend)
+    logits = torch.randn(2, 3, 70, device=device)
+    if fill == float("inf"):
+        logits[0, 1, 5] = fill
+    else:
+        logits[0, 1] = fill
+    leaf = logits.clone().requires_grad_()
+    logp, entropy = gk.selective_log_softmax(leaf, torch.randint(0, 70, (2, 3), device=device), backend=backend,
+                                             return_entropy=True)
+    (logp.sum() + entropy.sum()).backward()  # upstream gradient 1 everywhere, NaN values or not
+    assert torch.isnan(logp[0, 1])
+    assert torch.isnan(leaf.grad[0, 1]).all()
+    assert torch.isfinite(leaf.grad[1]).all() and torch.isfinite(leaf.grad[0, 0]).all()

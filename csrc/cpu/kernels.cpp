@@ -36,12 +36,14 @@ struct VecOps {
   // several times faster than Sleef's. It maps NaN to +inf, which is why NaN rows are
   // caught before it (see the file comment).
   static Vec exp(const Vec& x) { return x.exp_u20(); }
-  static Vec zero_where_zero(const Vec& p, const Vec& x) { return Vec::blendv(x, Vec(0.f), p == Vec(0.f)); }
+  static Vec max(const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }
+  static Vec fma(const Vec& a, const Vec& b, const Vec& c) { return at::vec::fmadd(a, b, c); }
 };
 
 struct ScalarOps {
   static float exp(float x) { return std::exp(x); }
-  static float zero_where_zero(float p, float x) { return p == 0.f ? 0.f : x; }
+  static float max(float a, float b) { return std::fmax(a, b); }
+  static float fma(float a, float b, float c) { return std::fma(a, b, c); }
 };
 
 // The kernels walk a row one storage vector at a time (8 fp32 or 16 bf16/fp16 logits with
@@ -89,30 +91,32 @@ inline float reduce(const Vec& v, bool take_max) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
 
-// Softmax stats of z = src[0:n] * scale, reading src twice (the second time from L1).
+// Softmax stats of z = src[0:n] * scale (scale > 0), reading src twice (the second time from L1).
 template <typename scalar_t>
 SoftmaxStats block_stats(const scalar_t* src, int64_t n, float scale) {
-  const Vec vscale(scale);
   const int64_t n_vec = n - n % kStep<scalar_t>;
   Vec vmax(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
-    visit(src + i, [&](const Vec& x) { vmax = at::vec::maximum(vmax, x * vscale); });  // NaN-propagating
+    visit(src + i, [&](const Vec& x) { vmax = at::vec::maximum(vmax, x); });  // NaN-propagating
   }
-  float m = reduce(vmax, /*take_max=*/true);
+  float x_max = reduce(vmax, /*take_max=*/true);
   for (int64_t i = n_vec; i < n; ++i) {
-    const float z = static_cast<float>(src[i]) * scale;
-    m = std::isnan(z) ? z : std::max(m, z);
+    const float x = static_cast<float>(src[i]);
+    x_max = std::isnan(x) ? x : std::max(x_max, x);
   }
-  if (std::isnan(m)) return {kNaN, kNaN, kNaN};
+  if (std::isnan(x_max)) return {kNaN, kNaN, kNaN};
+  const float m = x_max * scale;
   const float shift = finite_or_zero(m);
-  const Vec vshift(shift);
+  const Vec vscale(scale), vneg_shift(-shift);
   Vec vsum(0.f), vshifted(0.f);
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
-    visit(src + i, [&](const Vec& x) { accumulate_shifted<VecOps>(x * vscale, vshift, vsum, vshifted); });
+    visit(src + i, [&](const Vec& x) {
+      accumulate_shifted<VecOps>(at::vec::fmadd(x, vscale, vneg_shift), vsum, vshifted);
+    });
   }
   float sum = reduce(vsum, false), shifted = reduce(vshifted, false);
   for (int64_t i = n_vec; i < n; ++i) {
-    accumulate_shifted<ScalarOps>(static_cast<float>(src[i]) * scale, shift, sum, shifted);
+    accumulate_shifted<ScalarOps>(static_cast<float>(src[i]) * scale - shift, sum, shifted);
   }
   return {m, sum, shifted};
 }
@@ -175,28 +179,30 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       const float g = grad_logp[row];
       const float h = kEntropyGrad ? grad_entropy[row] : 0.f;
       const float row_lse = lse[row], row_entropy = kEntropyGrad ? entropy[row] : 0.f;
-      if ((g == 0.f && h == 0.f) || std::isnan(row_lse)) {
-        // Padding: exact zeros, never reading the row. A row holding a NaN: NaN throughout.
+      if ((g == 0.f && h == 0.f) || !std::isfinite(row_lse)) {
+        // Padding: exact zeros, never reading the row. A row with no finite softmax (a NaN or
+        // +inf logit, or all -inf): NaN throughout, as in the reference.
         std::fill_n(dst, vocab, scalar_t((g == 0.f && h == 0.f) ? 0.f : kNaN));
         continue;
       }
       const int64_t y = targets[row];
       const bool has_target = y >= 0 && y < vocab;
       // Read before the loop: in place, the loop overwrites src[y].
-      const float z_target = has_target ? static_cast<float>(src[y]) * inv_t : 0.f;
-      const Vec vscale(inv_t), vlse(row_lse), vent(row_entropy), vg(g), vh(h);
+      const float log_p_target = has_target ? static_cast<float>(src[y]) * inv_t - row_lse : 0.f;
+      const float neg_g = -g * inv_t, neg_h = -h * inv_t;
+      const Vec vscale(inv_t), vneg_lse(-row_lse), vent(row_entropy), vneg_g(neg_g), vneg_h(neg_h);
       for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
         transform(src + i, dst + i, [&](const Vec& x) {
-          return softmax_grad_term<VecOps, kEntropyGrad>(x * vscale, vlse, vent, vg, vh) * vscale;
+          return softmax_grad_term<VecOps, kEntropyGrad>(at::vec::fmadd(x, vscale, vneg_lse), vent, vneg_g, vneg_h);
         });
       }
       for (int64_t i = n_vec; i < vocab; ++i) {
-        const float z = static_cast<float>(src[i]) * inv_t;
-        dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z, row_lse, row_entropy, g, h) * inv_t);
+        const float log_p = static_cast<float>(src[i]) * inv_t - row_lse;
+        dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(log_p, row_entropy, neg_g, neg_h));
       }
       if (has_target) {
-        const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target, row_lse, row_entropy, g, h);
-        dst[y] = scalar_t((term + g) * inv_t);
+        const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(log_p_target, row_entropy, neg_g, neg_h);
+        dst[y] = scalar_t(term + g * inv_t);
       }
     }
   });

@@ -36,7 +36,8 @@ struct DeviceOps {
     return expf(x);
 #endif
   }
-  static __host__ __device__ __forceinline__ float zero_where_zero(float p, float x) { return p == 0.f ? 0.f : x; }
+  static __host__ __device__ __forceinline__ float max(float a, float b) { return fmaxf(a, b); }
+  static __host__ __device__ __forceinline__ float fma(float a, float b, float c) { return fmaf(a, b, c); }
 };
 
 template <typename T, int N>
@@ -102,13 +103,13 @@ __device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, flo
     for (int j = 0; j < kUnroll * kVec; ++j) batch.max = fmaxf(batch.max, z[j]);
     const float shift = finite_or_zero(batch.max);
 #pragma unroll
-    for (int j = 0; j < kUnroll * kVec; ++j) accumulate_shifted<DeviceOps>(z[j], shift, batch.sum, batch.shifted);
+    for (int j = 0; j < kUnroll * kVec; ++j) accumulate_shifted<DeviceOps>(z[j] - shift, batch.sum, batch.shifted);
     st = merge_stats(st, batch);
   }
   for (int64_t v = n_packs * kVec + lane; v < vocab; v += kThreadsPerRow) {
     const float z = static_cast<float>(row[v]) * inv_t;
     SoftmaxStats one{z, 0.f, 0.f};
-    accumulate_shifted<DeviceOps>(z, finite_or_zero(z), one.sum, one.shifted);
+    accumulate_shifted<DeviceOps>(z - finite_or_zero(z), one.sum, one.shifted);
     st = merge_stats(st, one);
   }
   return st;
@@ -182,14 +183,19 @@ __global__ void __launch_bounds__(kBlockThreads) logits_grad_kernel(GradArgs<sca
     return;
   }
 
+  if (!isfinite(a.lse[row])) {  // no finite softmax (a NaN or +inf logit, or all -inf): NaN, as the reference
+    for (int64_t v = lane; v < vocab; v += kThreadsPerRow) dst_elems[v] = scalar_t(NAN);
+    return;
+  }
   const float inv_t = a.inv_temperature;
-  const float lse = a.lse[row];
+  const float neg_lse = -a.lse[row];
   const float entropy = kEntropyGrad ? a.entropy[row] : 0.f;
+  const float neg_g = -g * inv_t, neg_h = -h * inv_t, g_scaled = g * inv_t;
   const int64_t y = a.targets[row];
   auto grad_of = [&](float x, int64_t v) {
-    float d = softmax_grad_term<DeviceOps, kEntropyGrad>(x * inv_t, lse, entropy, g, h);
-    if (v == y) d += g;
-    return scalar_t(d * inv_t);
+    float d = softmax_grad_term<DeviceOps, kEntropyGrad>(fmaf(x, inv_t, neg_lse), entropy, neg_g, neg_h);
+    if (v == y) d += g_scaled;
+    return scalar_t(d);
   };
   for (int64_t base = lane; base < n_packs; base += int64_t(kThreadsPerRow) * kUnroll) {
     P in[kUnroll];

@@ -31,7 +31,8 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
     # Shift by the row max before anything else: z - max is exact, so log q and the entropy
     # keep their accuracy when the logits sit far from zero.
     row_max = z.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # An all -inf row shifts by 0 (its results are NaN either way); +inf stays, giving NaN.
+    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
     log_sum = torch.logsumexp(z - row_max, dim=-1, keepdim=True)
     log_q = z - row_max - log_sum
     lse = (row_max + log_sum).squeeze(-1)

@@ -106,6 +106,8 @@ def logits_grad_kernel(
         entropy = tl.load(entropy_ptr + row)
         active = active | (h != 0.0)
     lse = tl.load(lse_ptr + row)
+    # No finite softmax in the row (a NaN or +inf logit, or all -inf): NaN, as the reference.
+    no_softmax = (lse != lse) | (lse == float("inf")) | (lse == -float("inf"))
     target = tl.load(targets_ptr + row)
     read_limit = tl.where(active, vocab, 0)
     cols = tl.arange(0, BLOCK_V)
@@ -121,5 +123,6 @@ def logits_grad_kernel(
         # p == 0 at a -inf logit, where coef may be -inf: the product's true value is 0.
         # (Only exact zeros: a NaN logit must keep its row's gradient NaN.)
         grad = tl.where(p == 0, 0.0, -p * coef) + tl.where(idx == target, g, 0.0)
-        grad = tl.where(active, grad * inv_temperature, 0.0)
+        grad = tl.where(no_softmax, float("nan"), grad * inv_temperature)
+        grad = tl.where(active, grad, 0.0)
         tl.store(out_ptr + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < vocab)

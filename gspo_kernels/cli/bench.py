@@ -34,6 +34,12 @@ def run(args) -> int:
     if unknown or any(m not in MODES for m in modes) or args.dtype not in DTYPES:
         print(f"providers are {', '.join(PROVIDERS)}; modes {', '.join(MODES)}; dtypes {', '.join(DTYPES)}")
         return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked now, not after minutes of sweeps)
+        except ImportError:
+            print("--plot needs matplotlib: pip install matplotlib (or the [bench] extra)")
+            return 2
     cfg = SuiteConfig(shapes=shapes, dtype=args.dtype, providers=providers, modes=modes, reps=args.reps,
                       warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device)
     progress = Progress(steps_in(cfg))
@@ -51,11 +57,11 @@ def run(args) -> int:
             sweep_progress = Progress(steps_in(sweep_cfg))
             sweeps.append(run_suite(sweep_cfg, sweep_progress))
             sweep_progress.close()
-        plot_sweeps(sweeps[0], sweeps[1], args.plot)
         if args.json:
             sweep_path = args.json.removesuffix(".json") + "_sweeps.json"
             write_json(SuiteResult(meta=sweeps[0].meta, rows=sweeps[0].rows + sweeps[1].rows), sweep_path)
             print(f"wrote {sweep_path}")
+        plot_sweeps(sweeps[0], sweeps[1], args.plot)
         print(f"wrote {args.plot}")
     failed = [r for r in result.rows if r.status == "error" and PROVIDERS[r.provider].ours]
     for r in failed:
