@@ -66,6 +66,21 @@ def format_suite(result: SuiteResult) -> str:
     return "\n".join(out)
 
 
+def format_sweep(result: SuiteResult) -> str:
+    """One line per shape: forward + backward ms and peak MiB of each provider that ran."""
+    rows = [r for r in result.rows if r.mode == "fwd+bwd" and r.status == "ok"]
+    providers = list(dict.fromkeys(r.provider for r in rows))
+    cell = {(r.batch, r.seq_len, r.vocab, r.provider): r for r in rows}
+    table = []
+    for b, t, v in dict.fromkeys((r.batch, r.seq_len, r.vocab) for r in rows):
+        line = [f"{b}x{t}x{v}", str(b * t)]
+        for name in providers:
+            r = cell.get((b, t, v, name))
+            line.append("-" if r is None else f"{r.median_ms:.1f} / {_fmt(r.peak_mem_mib, '.0f')}")
+        table.append(line)
+    return format_table(["BxTxV", "N", *(f"{p} ms / MiB" for p in providers)], table)
+
+
 def write_json(result: SuiteResult, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result.to_json(), f, indent=1)

@@ -54,10 +54,21 @@ class SuiteResult:
         return {"meta": self.meta, "rows": [asdict(r) for r in self.rows]}
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_meta(device: str, bandwidth_gbs: float) -> dict:
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

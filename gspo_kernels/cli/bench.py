@@ -8,7 +8,7 @@ import torch
 
 from ..bench.problem import DTYPES, Shape
 from ..bench.providers import PROVIDERS
-from ..bench.report import format_suite, plot_sweeps, write_json
+from ..bench.report import format_suite, format_sweep, plot_sweeps, write_json
 from ..bench.runner import SuiteConfig, SuiteResult, run_suite, steps_in
 from ..bench.timing import MODES
 from .progress import Progress
@@ -57,6 +57,7 @@ def run(args) -> int:
             sweep_progress = Progress(steps_in(sweep_cfg))
             sweeps.append(run_suite(sweep_cfg, sweep_progress))
             sweep_progress.close()
+            print(format_sweep(sweeps[-1]) + "\n")
         if args.json:
             sweep_path = args.json.removesuffix(".json") + "_sweeps.json"
             write_json(SuiteResult(meta=sweeps[0].meta, rows=sweeps[0].rows + sweeps[1].rows), sweep_path)
