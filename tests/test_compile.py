@@ -9,11 +9,15 @@ from gspo_kernels.problems import ProblemSpec, make_problem
 from conftest import device_for
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+CASES = [("torch", False), ("torch", True), ("triton", False), ("triton", True), ("cpu", False)]
+
+
+@pytest.mark.parametrize("backend, packed", CASES, ids=[f"{b}-{'packed' if p else 'padded'}" for b, p in CASES])
 def test_compiled_loss_matches_eager(backend, packed, seed):
     if backend == "triton" and gk.backends.triton_backend is None:
         pytest.skip("triton not installed")
+    if backend == "cpu" and not gk.backends.native_available():
+        pytest.skip("extension gspo_kernels._C not built")
     problem = make_problem(ProblemSpec(seed=seed, device=device_for(backend), with_ref=True))
     if packed:
         problem = problem.to_packed()

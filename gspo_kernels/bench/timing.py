@@ -70,7 +70,8 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
     """Measured copy bandwidth, read + write counted: the ceiling for a memory-bound kernel."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages before timing
     clock = _Clock(device)
-    ms = statistics.median(clock.time_ms(lambda: dst.copy_(src)) for _ in range(7))
+    for _ in range(3):  # touch the pages and settle the clocks before timing
+        dst.copy_(src)
+    ms = statistics.median(clock.time_ms(lambda: dst.copy_(src)) for _ in range(9))
     return 2 * nbytes / (ms * 1e-3) / 1e9
