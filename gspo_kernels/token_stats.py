@@ -35,11 +35,9 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        if grad_logp is None and grad_entropy is None:
+        if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         logits, targets, lse, entropy = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
         # Autograd may hand over expanded (stride-0) gradients; the kernels index rows directly.
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
         if grad_entropy is not None:
