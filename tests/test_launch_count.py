@@ -58,7 +58,8 @@ def test_triton_launches_two_kernels(monkeypatch):
 
     for name in ("token_stats_kernel", "logits_grad_kernel"):
         monkeypatch.setattr(tb.kernels, name, Counting(getattr(tb.kernels, name), name))
-    for spec in (ProblemSpec(batch=2, seq_len=3, vocab=70), ProblemSpec(batch=9, seq_len=20, vocab=300)):
+    dev = device_for("triton")
+    for spec in (ProblemSpec(batch=2, seq_len=3, vocab=70, device=dev), ProblemSpec(batch=9, seq_len=20, vocab=300, device=dev)):
         launches.clear()
         _ops_of_one_step("triton", spec, packed=False)
         assert launches == {"token_stats_kernel": 1, "logits_grad_kernel": 1}
