@@ -67,7 +67,3 @@ class GSPOConfig:
             raise ValueError(f"max_len must be a positive int or None; got {self.max_len!r}")
         if not isinstance(self.inplace, bool):
             raise TypeError(f"inplace must be a bool; got {type(self.inplace).__name__}")
-
-    @property
-    def needs_entropy_grad(self) -> bool:
-        return self.entropy_coef != 0.0

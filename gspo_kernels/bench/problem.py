@@ -48,10 +48,6 @@ class BenchProblem:
     advantages: torch.Tensor
     mask: torch.Tensor
 
-    def input_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in
-                   (self.logits, self.target_ids, self.old_logprobs, self.advantages, self.mask))
-
 
 def make_bench_problem(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0) -> BenchProblem:
     """Random logits; old log-probs within ~1e-3 of the current ones, so ratios sit near the
