@@ -183,3 +183,38 @@ def test_rows_without_a_finite_softmax_get_nan_gradients(backend, fill, seed):
     assert torch.isnan(logp[0, 1])
     assert torch.isnan(leaf.grad[0, 1]).all()
     assert torch.isfinite(leaf.grad[1]).all() and torch.isfinite(leaf.grad[0, 0]).all()
+
+
+@pytest.mark.parametrize("case", ["random", "late_max_far_above", "first_block_minus_inf", "nan_late", "inf_late"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_rows_across_blocks(backend, case, seed):
+    """Rows of several kernel blocks (CPU: 4096 logits; Triton: 4096 fp32) where the running
+    max, -inf blocks and non-finite values fall in different blocks."""
+    device = device_for(backend)
+    vocab = 3 * 4096 + 5
+    logits = torch.randn(3, vocab, device=device) * 2
+    if case == "late_max_far_above":
+        logits[:, -3] = 150.0  # leads every earlier block's max by far more than exp() can shift
+    elif case == "first_block_minus_inf":
+        logits[:, :4096] = float("-inf")
+    elif case == "nan_late":
+        logits[1, 9000] = float("nan")
+    elif case == "inf_late":
+        logits[1, 9000] = float("inf")
+    targets = torch.tensor([5000, 9001, vocab - 3], device=device)
+    leaf = logits.clone().requires_grad_()
+    logp, entropy = gk.selective_log_softmax(leaf, targets, backend=backend, return_entropy=True)
+    (logp.sum() + 0.5 * entropy.sum()).backward()
+    ref_leaf = logits.double().requires_grad_()
+    log_probs = torch.log_softmax(ref_leaf, -1)
+    ref_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    probs = log_probs.exp()
+    ref_entropy = -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
+    (ref_logp.sum() + 0.5 * ref_entropy.sum()).backward()
+    bad = case in ("nan_late", "inf_late")
+    good_rows = [0, 2] if bad else [0, 1, 2]
+    if bad:
+        assert torch.isnan(logp[1]) and torch.isnan(leaf.grad[1]).all()
+    assert torch.allclose(logp[good_rows].double(), ref_logp[good_rows], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(entropy[good_rows].double(), ref_entropy[good_rows], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(leaf.grad[good_rows].double(), ref_leaf.grad[good_rows], rtol=1e-4, atol=1e-7)

@@ -91,9 +91,9 @@ inline float reduce(const Vec& v, bool take_max) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
 
-// Softmax stats of z = src[0:n] * scale (scale > 0), reading src twice (the second time from L1).
+// The max of src[0:n] * scale (scale > 0); NaN if any element is NaN.
 template <typename scalar_t>
-SoftmaxStats block_stats(const scalar_t* src, int64_t n, float scale) {
+float block_max(const scalar_t* src, int64_t n, float scale) {
   const int64_t n_vec = n - n % kStep<scalar_t>;
   Vec vmax(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
@@ -104,21 +104,60 @@ SoftmaxStats block_stats(const scalar_t* src, int64_t n, float scale) {
     const float x = static_cast<float>(src[i]);
     x_max = std::isnan(x) ? x : std::max(x_max, x);
   }
-  if (std::isnan(x_max)) return {kNaN, kNaN, kNaN};
-  const float m = x_max * scale;
-  const float shift = finite_or_zero(m);
+  return x_max * scale;
+}
+
+// Sums of z = src[0:n] * scale taken at `shift`: {shift, sum e^(z - shift), sum e^(z - shift)(z - shift)},
+// and the block's max (NaN if any element is NaN) tracked in the same pass.
+template <typename scalar_t>
+SoftmaxStats sums_at(const scalar_t* src, int64_t n, float scale, float shift, float& max_out) {
+  const int64_t n_vec = n - n % kStep<scalar_t>;
   const Vec vscale(scale), vneg_shift(-shift);
-  Vec vsum(0.f), vshifted(0.f);
+  Vec vsum(0.f), vshifted(0.f), vmax(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
     visit(src + i, [&](const Vec& x) {
+      vmax = at::vec::maximum(vmax, x);
       accumulate_shifted<VecOps>(at::vec::fmadd(x, vscale, vneg_shift), vsum, vshifted);
     });
   }
-  float sum = reduce(vsum, false), shifted = reduce(vshifted, false);
+  float sum = reduce(vsum, false), shifted = reduce(vshifted, false), x_max = reduce(vmax, true);
   for (int64_t i = n_vec; i < n; ++i) {
-    accumulate_shifted<ScalarOps>(static_cast<float>(src[i]) * scale - shift, sum, shifted);
+    const float x = static_cast<float>(src[i]);
+    x_max = std::isnan(x) ? x : std::max(x_max, x);
+    accumulate_shifted<ScalarOps>(x * scale - shift, sum, shifted);
   }
-  return {m, sum, shifted};
+  max_out = x_max * scale;
+  return {shift, sum, shifted};
+}
+
+// e^(z - shift) stays far from fp32 overflow (e^88) for z up to shift + this, even summed over
+// a 256k vocab (e^(60 + 12.5)).
+constexpr float kMaxLead = 60.f;
+
+// Softmax stats of one row. The first block takes its max, then its exps (two passes, the
+// second from L1). Later blocks take their exps at the max seen so far and track their own
+// max in the same pass: one pass, and merge_stats accepts any shift. Only a block whose max
+// leads the shift by more than kMaxLead is redone at its own max.
+template <typename scalar_t>
+SoftmaxStats row_stats(const scalar_t* row, int64_t vocab, float scale) {
+  SoftmaxStats st = empty_stats();
+  float seen_max = -std::numeric_limits<float>::infinity();
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const scalar_t* src = row + start;
+    const int64_t n = std::min(kBlock, vocab - start);
+    float m = kNaN;
+    SoftmaxStats block{kNaN, kNaN, kNaN};
+    if (std::isfinite(seen_max)) block = sums_at(src, n, scale, seen_max, m);
+    if (std::isnan(m) || m > seen_max + kMaxLead) {
+      m = block_max(src, n, scale);
+      if (std::isnan(m)) return {kNaN, kNaN, kNaN};  // a NaN logit: the row's results are NaN
+      float unused;
+      block = sums_at(src, n, scale, finite_or_zero(m), unused);
+    }
+    seen_max = std::max(seen_max, m);
+    st = merge_stats(st, block);
+  }
+  return st;
 }
 
 int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(vocab, 1)); }
@@ -130,11 +169,7 @@ void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const i
   at::parallel_for(0, layout.rows, grain_rows(layout.vocab), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* row_ptr = base + layout.offset(row);
-      SoftmaxStats st = empty_stats();
-      for (int64_t start = 0; start < layout.vocab; start += kBlock) {
-        st = merge_stats(st, block_stats(row_ptr + start, std::min(kBlock, layout.vocab - start), inv_t));
-      }
-      const RowResult r = finish_stats(st);
+      const RowResult r = finish_stats(row_stats(row_ptr, layout.vocab, inv_t));
       const int64_t y = targets[row];
       const bool valid = y >= 0 && y < layout.vocab;  // never read outside the row
       logp[row] = valid ? r.logprob(static_cast<float>(row_ptr[y]) * inv_t) : kNaN;
