@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .backends.layout import rows_overlap
+from .backends.layout import writable_in_place
 from .config import BACKENDS
 from .inputs import check_logits_and_targets
 
@@ -44,7 +44,7 @@ class TokenStatsFunction(torch.autograd.Function):
             grad_entropy = grad_entropy.to(lse.dtype).contiguous()
         backend = backends.get(ctx.backend_name)
         args = (targets, lse, entropy, grad_logp, grad_entropy, ctx.inv_temperature)
-        if ctx.inplace and not rows_overlap(logits):
+        if ctx.inplace and writable_in_place(logits):
             grad = backend.logits_grad_(logits, *args)
             # The saved logits now hold the gradient: a second backward must fail loudly.
             torch.autograd.graph.increment_version(logits)
@@ -73,7 +73,8 @@ def selective_log_softmax(
     rows may be strided views. target_ids: the leading shape, int64 or int32.
     Returns float32 log-probs shaped like target_ids, and the per-token entropy of
     softmax(logits / temperature) when return_entropy is True. Differentiable: backward
-    writes dlogits in one pass over the logits (into their storage when inplace=True).
+    writes dlogits in one pass over the logits (into their storage when inplace=True, unless
+    their rows share memory or their vocab dim is not contiguous).
     A target id outside [0, V) gives NaN for that token.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:

@@ -7,6 +7,7 @@ Every backend module exposes the same three functions over logits of shape `[B, 
     logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
         -> new tensor like logits
     logits_grad_(...same...) -> logits, with the gradient written into its storage
+                                 (only for logits that layout.writable_in_place accepts)
 
 `targets` is a contiguous `[N]` int64 tensor; `grad_entropy` may be None (no entropy term).
 A target outside [0, V) gives logp = NaN for that row and no one-hot term in the gradient.

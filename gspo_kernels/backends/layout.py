@@ -24,7 +24,7 @@ class RowLayout:
 
     @staticmethod
     def of(t: torch.Tensor) -> "RowLayout":
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
+        if not has_unit_vocab_stride(t):
             raise ValueError("the fused kernels need the vocab dimension to be contiguous")
         if t.dim() == 3:
             b, n_t, vocab = t.shape
@@ -35,9 +35,13 @@ class RowLayout:
         raise ValueError(f"expected a 2-D or 3-D tensor; got shape {tuple(t.shape)}")
 
 
+def has_unit_vocab_stride(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 or t.shape[-1] == 1
+
+
 def with_unit_vocab_stride(logits: torch.Tensor) -> torch.Tensor:
     """The kernels stream along the vocab; a transposed input is copied once to allow that."""
-    return logits if logits.stride(-1) == 1 or logits.shape[-1] == 1 else logits.contiguous()
+    return logits if has_unit_vocab_stride(logits) else logits.contiguous()
 
 
 def next_power_of_2(n: int) -> int:
@@ -49,3 +53,9 @@ def rows_overlap(t: torch.Tensor) -> bool:
     into such a tensor in place would have rows overwrite each other."""
     # 1 = overlap for sure; 2 = "too hard to tell", which a strided view like logits[:, :-1] gets.
     return torch._debug_has_internal_overlap(t) == 1
+
+
+def writable_in_place(t: torch.Tensor) -> bool:
+    """Whether a backend's logits_grad_ may write the gradient over `t`: the kernels need the
+    vocab dim at stride 1, and no two rows may share memory."""
+    return has_unit_vocab_stride(t) and not rows_overlap(t)

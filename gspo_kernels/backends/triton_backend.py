@@ -123,7 +123,5 @@ def logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temp
 
 
 def logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
-    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
-        return logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
     _logits_grad_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
     return logits
