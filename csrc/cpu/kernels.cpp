@@ -84,12 +84,14 @@ void transform(const half_t* src, half_t* dst, F&& f) {
   pack_pair(f(a), f(b), dst).store(dst);
 }
 
-inline float reduce(const Vec& v, bool take_max) {
-  if (take_max) {
-    return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
-  }
+inline float max_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+}
+inline float sum_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
+// The scalar twin of at::vec::maximum: a NaN wins, so a NaN logit is never dropped.
+inline float nan_max(float m, float x) { return std::isnan(x) ? x : std::max(m, x); }
 
 // The max of src[0:n] * scale (scale > 0); NaN if any element is NaN.
 template <typename scalar_t>
@@ -99,11 +101,8 @@ float block_max(const scalar_t* src, int64_t n, float scale) {
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
     visit(src + i, [&](const Vec& x) { vmax = at::vec::maximum(vmax, x); });  // NaN-propagating
   }
-  float x_max = reduce(vmax, /*take_max=*/true);
-  for (int64_t i = n_vec; i < n; ++i) {
-    const float x = static_cast<float>(src[i]);
-    x_max = std::isnan(x) ? x : std::max(x_max, x);
-  }
+  float x_max = max_lanes(vmax);
+  for (int64_t i = n_vec; i < n; ++i) x_max = nan_max(x_max, static_cast<float>(src[i]));
   return x_max * scale;
 }
 
@@ -120,10 +119,10 @@ SoftmaxStats sums_at(const scalar_t* src, int64_t n, float scale, float shift, f
       accumulate_shifted<VecOps>(at::vec::fmadd(x, vscale, vneg_shift), vsum, vshifted);
     });
   }
-  float sum = reduce(vsum, false), shifted = reduce(vshifted, false), x_max = reduce(vmax, true);
+  float sum = sum_lanes(vsum), shifted = sum_lanes(vshifted), x_max = max_lanes(vmax);
   for (int64_t i = n_vec; i < n; ++i) {
     const float x = static_cast<float>(src[i]);
-    x_max = std::isnan(x) ? x : std::max(x_max, x);
+    x_max = nan_max(x_max, x);
     accumulate_shifted<ScalarOps>(x * scale - shift, sum, shifted);
   }
   max_out = x_max * scale;
