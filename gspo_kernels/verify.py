@@ -100,3 +100,43 @@ def run_case(problem: Problem, backend: str, **options) -> CaseResult:
             errors[name] = relative_error(metrics[name], ref_value, floor=floor)
             limits[name] = tol.stats
     return CaseResult(errors=errors, limits=limits)
+
+
+# Worst absolute error of a log-prob or entropy against float64 that `check` accepts: float32
+# statistics of V ~ 1e4 logits land at 1-2e-6 (the torch backend's own level).
+STATS_LIMIT = 3e-6
+
+# Rows of several kernel blocks (the CPU kernel's block is 4096 logits), so that a row's max
+# can sit in any block, as it does in real logits.
+_STATS_PROBE_VOCAB = 3 * 4096 + 100
+
+
+def stats_probe_logits(rows: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """Logits that stress the token statistics: half Gaussian rows (std 4), half peaked rows
+    (std 2.5 plus one token 5-15 above, as an LLM's sampled distribution), the peak anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, _STATS_PROBE_VOCAB, generator=gen) * 4.0
+    peaked = torch.arange(rows) % 2 == 1
+    x[peaked] *= 2.5 / 4.0
+    top = torch.randint(0, _STATS_PROBE_VOCAB, (rows,), generator=gen)
+    x[peaked, top[peaked]] += 5.0 + 10.0 * torch.rand(int(peaked.sum()), generator=gen)
+    return x.to(dtype).to(device)
+
+
+def token_stats_errors(backend: str, dtype: torch.dtype, device: str, rows: int = 64, seed: int = 0):
+    """Largest absolute error of `backend`'s log-probs and entropies against float64, on
+    stats_probe_logits. Returns (logp_error, entropy_error); NaN anywhere gives inf."""
+    from .token_stats import selective_log_softmax
+
+    logits = stats_probe_logits(rows, dtype, device, seed)
+    targets = torch.randint(0, logits.shape[-1], (rows,), generator=torch.Generator().manual_seed(seed + 1))
+    logp, entropy = selective_log_softmax(logits, targets.to(device), return_entropy=True, backend=backend)
+    log_probs = torch.log_softmax(logits.double().cpu(), dim=-1)
+    ref_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(log_probs.exp() * log_probs).sum(-1)
+
+    def worst(out, ref):
+        err = float((out.double().cpu() - ref).abs().max())
+        return err if math.isfinite(err) else math.inf
+
+    return worst(logp, ref_logp), worst(entropy, ref_entropy)

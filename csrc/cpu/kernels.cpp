@@ -106,52 +106,99 @@ float block_max(const scalar_t* src, int64_t n, float scale) {
   return x_max * scale;
 }
 
-// Sums of z = src[0:n] * scale taken at `shift`: {shift, sum e^(z - shift), sum e^(z - shift)(z - shift)},
-// and the block's max (NaN if any element is NaN) tracked in the same pass.
+// Sums of z = src[0:n] * scale taken at `shift`, each d = z - shift clamped to at most 0:
+//     {shift, sum e^min(d, 0), sum e^min(d, 0) * min(d, 0)}
+// and the block's max (NaN if any element is NaN), tracked in the same pass. Every element
+// above the shift is thus counted as if it sat at the shift (e^0, and 0 in `shifted`): exact
+// for a block whose max does not lead the shift; above_shift() corrects the others. Clamping,
+// rather than letting e^d grow, is what keeps the entropy exact: re-basing sums taken below a
+// block's max to that max would subtract two nearly equal numbers (shifted - lead * sum) and
+// multiply their rounding error by the lead (measured: 1e-5 entropy error on peaked rows).
 template <typename scalar_t>
-SoftmaxStats sums_at(const scalar_t* src, int64_t n, float scale, float shift, float& max_out) {
+SoftmaxStats clamped_sums_at(const scalar_t* src, int64_t n, float scale, float shift, float& max_out) {
   const int64_t n_vec = n - n % kStep<scalar_t>;
-  const Vec vscale(scale), vneg_shift(-shift);
+  const Vec vscale(scale), vneg_shift(-shift), vzero(0.f);
   Vec vsum(0.f), vshifted(0.f), vmax(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
     visit(src + i, [&](const Vec& x) {
-      vmax = at::vec::maximum(vmax, x);
-      accumulate_shifted<VecOps>(at::vec::fmadd(x, vscale, vneg_shift), vsum, vshifted);
+      // A plain max, which may drop a NaN: the NaN reaches `shifted` instead, since clamp_max
+      // and the clamp_min in accumulate_shifted return their first operand when it is NaN.
+      vmax = VecOps::max(vmax, x);
+      accumulate_shifted<VecOps>(at::vec::clamp_max(at::vec::fmadd(x, vscale, vneg_shift), vzero), vsum, vshifted);
     });
   }
   float sum = sum_lanes(vsum), shifted = sum_lanes(vshifted), x_max = max_lanes(vmax);
   for (int64_t i = n_vec; i < n; ++i) {
     const float x = static_cast<float>(src[i]);
     x_max = nan_max(x_max, x);
-    accumulate_shifted<ScalarOps>(x * scale - shift, sum, shifted);
+    accumulate_shifted<ScalarOps>(std::fmin(std::fma(x, scale, -shift), 0.f), sum, shifted);
   }
-  max_out = x_max * scale;
+  max_out = std::isnan(shifted) ? kNaN : x_max * scale;
   return {shift, sum, shifted};
 }
 
-// e^(z - shift) stays far from fp32 overflow (e^88) for z up to shift + this, even summed over
-// a 256k vocab (e^(60 + 12.5)).
-constexpr float kMaxLead = 60.f;
+// The elements of src[0:n] * scale above `shift` (by the same test as clamped_sums_at), as
+// exact stats at the block's max m >= all of them; `counted` gets what clamped_sums_at added to
+// its sum for them (e^0 each), to be taken back. Runs only for a block that raises the row's
+// max, and takes exps only of the SIMD vectors that hold such an element: a compare pass
+// from L1 for the rest.
+template <typename scalar_t>
+SoftmaxStats above_shift(const scalar_t* src, int64_t n, float scale, float shift, float m, float& counted) {
+  const int64_t n_vec = n - n % kStep<scalar_t>;
+  constexpr int kNoneAbove = (1 << Vec::size()) - 1;  // zero_mask(): one bit per lane that is 0
+  const Vec vscale(scale), vneg_shift(-shift), vneg_m(-m), vzero(0.f);
+  const Vec at_shift = VecOps::exp(vzero);
+  Vec vsum(0.f), vshifted(0.f), vcounted(0.f);
+  for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    visit(src + i, [&](const Vec& x) {
+      const Vec above = at::vec::fmadd(x, vscale, vneg_shift) > vzero;  // all-ones lanes where d > 0
+      if (above.zero_mask() == kNoneAbove) return;
+      const Vec d = at::vec::fmadd(x, vscale, vneg_m);
+      const Vec e = Vec::blendv(vzero, VecOps::exp(d), above);
+      vsum = vsum + e;
+      vshifted = at::vec::fmadd(e, at::vec::clamp_min(d, Vec(kLogFloor)), vshifted);
+      vcounted = vcounted + Vec::blendv(vzero, at_shift, above);
+    });
+  }
+  float sum = sum_lanes(vsum), shifted = sum_lanes(vshifted);
+  counted = sum_lanes(vcounted);
+  for (int64_t i = n_vec; i < n; ++i) {
+    const float x = static_cast<float>(src[i]);
+    if (std::fma(x, scale, -shift) > 0.f) {
+      accumulate_shifted<ScalarOps>(std::fma(x, scale, -m), sum, shifted);
+      counted += ScalarOps::exp(0.f);
+    }
+  }
+  return {m, sum, shifted};
+}
 
 // Softmax stats of one row. The first block takes its max, then its exps (two passes, the
 // second from L1). Later blocks take their exps at the max seen so far and track their own
-// max in the same pass: one pass, and merge_stats accepts any shift. Only a block whose max
-// leads the shift by more than kMaxLead is redone at its own max.
+// max in the same pass: one pass, since merge_stats accepts any shift. A block that raises
+// the max is then corrected for its elements above the old one (above_shift).
 template <typename scalar_t>
 SoftmaxStats row_stats(const scalar_t* row, int64_t vocab, float scale) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   SoftmaxStats st = empty_stats();
-  float seen_max = -std::numeric_limits<float>::infinity();
+  float seen_max = -kInf;
   for (int64_t start = 0; start < vocab; start += kBlock) {
     const scalar_t* src = row + start;
     const int64_t n = std::min(kBlock, vocab - start);
-    float m = kNaN;
-    SoftmaxStats block{kNaN, kNaN, kNaN};
-    if (std::isfinite(seen_max)) block = sums_at(src, n, scale, seen_max, m);
-    if (std::isnan(m) || m > seen_max + kMaxLead) {
+    float m;
+    SoftmaxStats block;
+    if (seen_max == -kInf) {  // nothing finite yet: no shift to take the exps at
       m = block_max(src, n, scale);
-      if (std::isnan(m)) return {kNaN, kNaN, kNaN};  // a NaN logit: the row's results are NaN
-      float unused;
-      block = sums_at(src, n, scale, finite_or_zero(m), unused);
+      block = clamped_sums_at(src, n, scale, finite_or_zero(m), m);
+    } else {
+      block = clamped_sums_at(src, n, scale, seen_max, m);
+    }
+    // A NaN or +inf logit: the row has no finite softmax, and all its results are NaN.
+    if (!(m < kInf)) return {kNaN, kNaN, kNaN};
+    if (m > seen_max && seen_max != -kInf) {
+      float counted;
+      const SoftmaxStats above = above_shift(src, n, scale, seen_max, m, counted);
+      block.sum -= counted;
+      block = merge_stats(block, above);
     }
     seen_max = std::max(seen_max, m);
     st = merge_stats(st, block);

@@ -12,7 +12,7 @@ import torch
 from .. import backends
 from ..config import LEVELS
 from ..problems import ProblemSpec, make_problem
-from ..verify import run_case
+from ..verify import STATS_LIMIT, run_case, token_stats_errors
 from .progress import Progress
 from .table import print_table
 
@@ -91,12 +91,32 @@ def run(args) -> int:
             progress.step(f"{backend} {case.label}")
     progress.close()
     print_table(header, rows)
+    print(f"\n{len(rows) - failed}/{len(rows)} cases pass "
+          "(errors are ||out - ref|| / ||ref|| against the float64 reference)\n")
+    failed += _print_stats_precision(chosen, available)
     elapsed = time.perf_counter() - start
-    print(f"\n{len(rows) - failed}/{len(rows)} cases pass in {elapsed:.0f} s "
-          "(errors are ||out - ref|| / ||ref|| against the float64 reference)")
+    print(f"\ncheck took {elapsed:.0f} s")
     if "triton" in chosen and available["triton"] == "cpu":
         print("triton ran through Triton's CPU interpreter (TRITON_INTERPRET=1): same kernels, no GPU")
     return 1 if failed else 0
+
+
+def _print_stats_precision(chosen, available) -> int:
+    """Worst absolute log-prob and entropy error of each backend, on rows that span several
+    kernel blocks with the max anywhere (verify.stats_probe_logits). Returns the failures."""
+    header = ("backend", "dtype", "worst |logp err|", "worst |entropy err|", "result")
+    rows, failed = [], 0
+    for backend in chosen:
+        for name, dtype in DTYPES.items():
+            logp_err, entropy_err = token_stats_errors(backend, dtype, available[backend])
+            ok = logp_err <= STATS_LIMIT and entropy_err <= STATS_LIMIT
+            failed += not ok
+            rows.append((backend, name, f"{logp_err:.2e}", f"{entropy_err:.2e}",
+                         "pass" if ok else f"FAIL (> {STATS_LIMIT:.0e})"))
+    print_table(header, rows)
+    print(f"token statistics against float64 on 64 rows of V = 12388 (Gaussian and peaked); "
+          f"limit {STATS_LIMIT:.0e} absolute")
+    return failed
 
 
 def add_parser(commands) -> None:
