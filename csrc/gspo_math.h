@@ -90,6 +90,18 @@ GSPO_HD T softmax_grad_term(T log_p, T entropy, T neg_g, T neg_h) {
   }
 }
 
+// What stage 3 does with a row, before any logit is read. Rows outside the loss get zeros
+// whatever they hold; a row in the loss with no finite softmax (a NaN or +inf logit, or all
+// -inf) or an out-of-range target gets NaN, never a finite-looking value; a row whose upstream
+// gradients are both 0 gets zeros (what the formula gives for a finite softmax) unread.
+enum class RowAction { kZero, kNaN, kCompute };
+
+GSPO_HD RowAction row_action(bool in_loss, float lse, int64_t target, int64_t vocab, float g, float h) {
+  if (!in_loss) return RowAction::kZero;
+  if (!(fabsf(lse) < INFINITY) || target < 0 || target >= vocab) return RowAction::kNaN;
+  return (g == 0.f && h == 0.f) ? RowAction::kZero : RowAction::kCompute;
+}
+
 // Where row r of a (B, T, V) or (N, V) tensor starts, in elements. Two strides let a kernel
 // read logits[:, :-1] without a copy; packed (N, V) is rows_per_batch = N, stride_b = 0.
 // int64 throughout: N * V passes 2^31 at N = 14k, V = 152k.

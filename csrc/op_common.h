@@ -5,9 +5,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
+#include <algorithm>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "gspo_math.h"
 
@@ -51,6 +53,7 @@ struct GradInputs {
   const at::Tensor& entropy;
   const at::Tensor& grad_logp;
   const std::optional<at::Tensor>& grad_entropy;
+  const std::optional<at::Tensor>& row_mask;
 
   void check(const at::Tensor& logits, int64_t rows) const {
     check_row_vector("targets", targets, logits, rows, at::kLong);
@@ -60,8 +63,30 @@ struct GradInputs {
     if (grad_entropy.has_value()) {
       check_row_vector("grad_entropy", *grad_entropy, logits, rows, at::kFloat);
     }
+    if (row_mask.has_value()) {
+      check_row_vector("row_mask", *row_mask, logits, rows, at::kBool);
+    }
   }
 };
+
+// Whether no two elements of `t` can share memory, by a sufficient test: with the dims of size
+// > 1 sorted by stride, each stride must pass the largest offset the smaller ones reach. It
+// accepts every dense or sliced layout (logits[:, :-1]) and refuses expand()ed and as_strided
+// views whose rows overlap, which an in-place gradient would silently corrupt.
+inline bool elements_disjoint(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return true;
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += stride * (size - 1);
+  }
+  return true;
+}
 
 // A device's gradient launcher: writes dLoss/dlogits into `grad` (which may be `logits`).
 using GradLauncher = void (*)(const at::Tensor& logits, at::Tensor& grad, const GradInputs& inputs,
@@ -71,9 +96,10 @@ using GradLauncher = void (*)(const at::Tensor& logits, at::Tensor& grad, const 
 template <GradLauncher kLaunch>
 at::Tensor logits_grad_op(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                           const at::Tensor& entropy, const at::Tensor& grad_logp,
-                          const std::optional<at::Tensor>& grad_entropy, double inv_temperature) {
+                          const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& row_mask,
+                          double inv_temperature) {
   at::Tensor grad = at::empty(logits.sizes(), logits.options());
-  kLaunch(logits, grad, {targets, lse, entropy, grad_logp, grad_entropy}, inv_temperature);
+  kLaunch(logits, grad, {targets, lse, entropy, grad_logp, grad_entropy, row_mask}, inv_temperature);
   return grad;
 }
 
@@ -81,9 +107,11 @@ at::Tensor logits_grad_op(const at::Tensor& logits, const at::Tensor& targets, c
 template <GradLauncher kLaunch>
 void logits_grad_inplace_op(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                             const at::Tensor& entropy, const at::Tensor& grad_logp,
-                            const std::optional<at::Tensor>& grad_entropy, double inv_temperature) {
-  at::assert_no_internal_overlap(logits);  // rows sharing memory would overwrite each other
-  kLaunch(logits, logits, {targets, lse, entropy, grad_logp, grad_entropy}, inv_temperature);
+                            const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& row_mask,
+                            double inv_temperature) {
+  TORCH_CHECK(elements_disjoint(logits),
+              "gspo_kernels: logits_grad_ needs logits whose rows do not share memory; use logits_grad");
+  kLaunch(logits, logits, {targets, lse, entropy, grad_logp, grad_entropy, row_mask}, inv_temperature);
 }
 
 }  // namespace gspo

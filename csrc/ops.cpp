@@ -7,13 +7,16 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // the logsumexp kept for stage 3. Each output is a float32 (rows,) vector.
   m.def("token_stats(Tensor logits, Tensor targets, float inv_temperature) -> (Tensor, Tensor, Tensor)");
   // Stage 3: dLoss/dlogits from dLoss/dlogp and dLoss/dentropy, in the logits' dtype.
+  // row_mask (bool, one per row; None = every row) marks the rows in the loss: the others get
+  // exact zeros without being read. A row in the loss whose softmax is not finite or whose
+  // target is out of range gets NaN throughout.
   m.def(
       "logits_grad(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
-      "Tensor? grad_entropy, float inv_temperature) -> Tensor");
-  // The same, written over the logits.
+      "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature) -> Tensor");
+  // The same, written over the logits (whose rows must not share memory).
   m.def(
       "logits_grad_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
-      "Tensor? grad_entropy, float inv_temperature) -> ()");
+      "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature) -> ()");
 }
 
 #ifndef GSPO_CPU_CAPABILITY_NAME

@@ -26,6 +26,15 @@ def _real(name: str, value) -> float:
     return value
 
 
+def check_temperature(value) -> float:
+    """The softmax temperature as a float: finite and > 0 (inf would flatten every row to
+    uniform, and the backends would not even agree on how)."""
+    value = _real("temperature", value)
+    if value <= 0.0:
+        raise ValueError(f"temperature must be > 0; got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class GSPOConfig:
     """Options of the GSPO loss. See the README's semantics table for what each one does.
@@ -51,14 +60,13 @@ class GSPOConfig:
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("backend", self.backend, BACKENDS)
-        for name in ("eps_low", "eps_high", "temperature", "beta", "entropy_coef"):
+        for name in ("eps_low", "eps_high", "beta", "entropy_coef"):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
+        object.__setattr__(self, "temperature", check_temperature(self.temperature))
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"eps_low must be in [0, 1) so that 1 - eps_low > 0; got {self.eps_low}")
         if self.eps_high < 0.0:
             raise ValueError(f"eps_high must be >= 0; got {self.eps_high}")
-        if self.temperature <= 0.0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature}")
         if self.beta < 0.0:
             raise ValueError(f"beta (KL coefficient) must be >= 0; got {self.beta}")
         if self.max_len is not None and (

@@ -1,12 +1,15 @@
 """Checks the loss inputs once, before any kernel runs, and flattens them to per-row form.
 
-Every check here reads shapes, dtypes and devices only, so it costs no host-device sync.
-The one check on values, cu_seqlens, runs on the host when cu_seqlens is a CPU tensor and
-as an asynchronous device assert when it already lives on the GPU.
+Shapes, dtypes and devices are checked on the host, which costs no host-device sync. The
+checks on values (cu_seqlens, an integer mask, a normalizer tensor) run on the host for CPU
+tensors (ValueError) and as asynchronous device-side asserts for GPU tensors, so the loss
+path never waits for the GPU: there a bad value stops the process with a CUDA device-side
+assert at the next synchronisation, naming the check.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +73,18 @@ def _per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor |
     return t.reshape(-1)
 
 
-def _mask(value, token_shape, device) -> torch.Tensor:
+def _check_values(ok: torch.Tensor, message: str) -> None:
+    """Raises ValueError(message) unless the 0-d bool tensor `ok` is true: on the host for a
+    CPU tensor, as an asynchronous device-side assert on a GPU (and under torch.compile)."""
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok):
+            raise ValueError(message)
+        return
+    torch._assert_async(ok, message)
+
+
+def check_mask(value, token_shape, device) -> torch.Tensor:
+    """The response mask as a `[N]` bool tensor (all True when value is None)."""
     if value is None:
         return torch.ones(token_shape.numel(), dtype=torch.bool, device=device)
     t = _require_tensor("mask", value)
@@ -81,6 +95,8 @@ def _mask(value, token_shape, device) -> torch.Tensor:
             "because a weight other than 0/1 would silently change the loss: pass mask.bool()."
         )
     _require_device("mask", t, device)
+    if t.dtype != torch.bool:
+        _check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
     return t.reshape(-1) != 0
 
 
@@ -141,9 +157,11 @@ def _normalizer(value, device):
         if value.numel() != 1:
             raise ValueError(f"normalizer must be a scalar; got shape {tuple(value.shape)}")
         _require_device("normalizer", value, device)
-        return value.reshape(())
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"normalizer must be a positive number or a scalar tensor; got {value!r}")
+        value = value.reshape(())
+        _check_values((value > 0) & torch.isfinite(value), "normalizer must be finite and > 0")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"normalizer must be a finite number > 0 or a scalar tensor; got {value!r}")
     return float(value)
 
 
@@ -180,7 +198,7 @@ def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantag
     return LossBatch(
         targets=targets,
         token_shape=token_shape,
-        mask=_mask(mask, token_shape, device),
+        mask=check_mask(mask, token_shape, device),
         old_logprobs=_per_token_logprobs("old_logprobs", old_logprobs, token_shape, device),
         ref_logprobs=ref,
         advantages=adv,

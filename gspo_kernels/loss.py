@@ -15,7 +15,7 @@ from .token_stats import token_stats
 def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, **per_call):
     batch = prepare_batch(config, logits, target_ids, old_logprobs, advantages, **per_call)
     backend_name = backends.resolve(config.backend, logits)
-    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace)
+    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace, batch.mask)
     return gspo_objective(config, batch, logp, entropy)
 
 

@@ -15,18 +15,23 @@ from .config import GSPOConfig
 MAX_LOG_RATIO = 20.0
 
 
-def _token_logprobs_and_entropy(logits, target_ids, temperature):
-    log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
+def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response):
+    rows = logits.double().reshape(-1, logits.shape[-1])
+    # Rows outside the response keep their values (reported in the metrics) but pass no
+    # gradient, whatever they hold: NaN logits or a -100 pad id there cost nothing.
+    rows = torch.where(in_response.to(rows.device).unsqueeze(-1), rows, rows.detach())
+    log_probs = torch.log_softmax(rows / temperature, dim=-1)
     probs = log_probs.exp()
     # -p log p is 0 where p = 0 (a -inf logit); log p is zeroed first so no 0 * -inf
     # appears in the forward or the backward pass.
     entropy = -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
     vocab = logits.shape[-1]
-    valid = (target_ids >= 0) & (target_ids < vocab)
-    safe_ids = target_ids.long().clamp(0, vocab - 1).unsqueeze(-1)
-    logp = log_probs.gather(-1, safe_ids).squeeze(-1)
-    logp = torch.where(valid, logp, torch.full_like(logp, float("nan")))  # out-of-range id: NaN
-    return logp.reshape(-1), entropy.reshape(-1)
+    ids = target_ids.reshape(-1)
+    valid = (ids >= 0) & (ids < vocab)
+    logp = log_probs.gather(-1, ids.long().clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
+    # An out-of-range id: a NaN log-prob, and (times NaN) a NaN gradient row in the response.
+    logp = logp * torch.where(valid, 1.0, float("nan")).to(logp)
+    return logp, entropy
 
 
 def _sequences(logits, cu_seqlens):
@@ -58,10 +63,9 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
     cfg = GSPOConfig(level=level, eps_low=eps_low, eps_high=eps_high, temperature=temperature,
                      loss_agg=loss_agg, max_len=max_len, beta=beta, kl_estimator=kl_estimator,
                      entropy_coef=entropy_coef)
-    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature)
-    n_rows = logp.numel()
-    in_response = (torch.ones(n_rows, dtype=torch.bool) if mask is None
+    in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
+    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response)
     old = None if old_logprobs is None else old_logprobs.reshape(-1).double()
     ref = None if ref_logprobs is None else ref_logprobs.reshape(-1).double()
     sequences = _sequences(logits, cu_seqlens)
@@ -93,7 +97,8 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
         term = -torch.minimum(ratio * a, clipped * a)
         if ref is not None:
             kl = _kl(lp, ref[idx], cfg.kl_estimator)
-            term = term + cfg.beta * kl
+            if cfg.beta > 0:  # beta = 0: KL is a metric only; an infinite one leaves the loss alone
+                term = term + cfg.beta * kl
             kls.append(kl)
         term = term - cfg.entropy_coef * entropy[idx]
         seq_terms.append(term)

@@ -12,20 +12,25 @@ from __future__ import annotations
 import torch
 
 from . import backends
+from .backends.grad_inputs import GradInputs
 from .backends.layout import writable_in_place
-from .config import BACKENDS
-from .inputs import check_logits_and_targets
+from .config import BACKENDS, check_temperature
+from .inputs import check_logits_and_targets, check_mask
 
 
 class TokenStatsFunction(torch.autograd.Function):
-    """(logits, targets) -> (logp, entropy), both `[N]`; backward computes dLoss/dlogits."""
+    """(logits, targets) -> (logp, entropy), both `[N]`; backward computes dLoss/dlogits.
+
+    row_mask (bool `[N]`, or None for every row) marks the rows in the loss: the others get an
+    exact zero gradient whatever their logits hold (see GradInputs for the whole row rule).
+    """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, backend_name: str, inplace: bool):
+    def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool):
         backend = backends.get(backend_name)
         inv_temperature = 1.0 / temperature
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
-        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy, row_mask)
         ctx.inv_temperature = inv_temperature
         ctx.backend_name = backend_name
         ctx.inplace = inplace
@@ -35,27 +40,29 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        no_grads = (None,) * 6
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        logits, targets, lse, entropy = ctx.saved_tensors
+            return no_grads
+        logits, targets, lse, entropy, row_mask = ctx.saved_tensors
         # Autograd may hand over expanded (stride-0) gradients; the kernels index rows directly.
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
         if grad_entropy is not None:
             grad_entropy = grad_entropy.to(lse.dtype).contiguous()
+        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
         backend = backends.get(ctx.backend_name)
-        args = (targets, lse, entropy, grad_logp, grad_entropy, ctx.inv_temperature)
         if ctx.inplace and writable_in_place(logits):
-            grad = backend.logits_grad_(logits, *args)
+            grad = backend.logits_grad_(logits, inputs)
             # The saved logits now hold the gradient: a second backward must fail loudly.
             torch.autograd.graph.increment_version(logits)
         else:
-            grad = backend.logits_grad(logits, *args)
-        return grad, None, None, None, None
+            grad = backend.logits_grad(logits, inputs)
+        return (grad,) + no_grads[1:]
 
 
-def token_stats(logits, targets_flat, temperature: float, backend_name: str, inplace: bool = False):
+def token_stats(logits, targets_flat, temperature: float, backend_name: str, inplace: bool = False,
+                row_mask: torch.Tensor | None = None):
     """Stage 1 with autograd: `[N]` logp and entropy in float32 (float64 for float64 logits)."""
-    return TokenStatsFunction.apply(logits, targets_flat, temperature, backend_name, inplace)
+    return TokenStatsFunction.apply(logits, targets_flat, row_mask, temperature, backend_name, inplace)
 
 
 def selective_log_softmax(
@@ -66,6 +73,7 @@ def selective_log_softmax(
     *,
     backend: str = "auto",
     inplace: bool = False,
+    mask: torch.Tensor | None = None,
 ):
     """log_softmax(logits / temperature) gathered at target_ids, without a `[N, V]` buffer.
 
@@ -75,15 +83,20 @@ def selective_log_softmax(
     softmax(logits / temperature) when return_entropy is True. Differentiable: backward
     writes dlogits in one pass over the logits (into their storage when inplace=True, unless
     their rows share memory or their vocab dim is not contiguous).
-    A target id outside [0, V) gives NaN for that token.
+
+    mask: bool (or 0/1 integer) like target_ids, True for the tokens your objective uses.
+    Rows outside it get an exact zero gradient whatever they hold (NaN logits, pad ids such
+    as -100), and backward does not read them. Without a mask every row is in use: a target
+    id outside [0, V), or a row with a NaN or +inf logit (or all -inf), gives a NaN log-prob
+    and a NaN gradient row, whatever the upstream gradient.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive float; got {temperature!r}")
+    temperature = check_temperature(temperature)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     targets_flat = check_logits_and_targets(logits, target_ids)
+    row_mask = None if mask is None else check_mask(mask, target_ids.shape, logits.device)
     resolved = backends.resolve(backend, logits)
-    logp, entropy = token_stats(logits, targets_flat, float(temperature), resolved, inplace)
+    logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask)
     logp = logp.reshape(target_ids.shape)
     if return_entropy:
         return logp, entropy.reshape(target_ids.shape)

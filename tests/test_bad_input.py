@@ -53,8 +53,16 @@ def _call(problem, **changes):
         ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
         ({"beta": -1.0}, ValueError, "beta"),
         ({"max_len": 0}, ValueError, "max_len must be a positive int"),
-        ({"normalizer": 0}, ValueError, "normalizer must be a positive"),
+        ({"normalizer": 0}, ValueError, "normalizer must be a finite number > 0"),
+        ({"normalizer": float("inf")}, ValueError, "normalizer must be a finite number > 0"),
+        ({"normalizer": float("nan")}, ValueError, "normalizer must be a finite number > 0"),
         ({"normalizer": torch.ones(2)}, ValueError, "normalizer must be a scalar"),
+        ({"normalizer": torch.tensor(-4.0)}, ValueError, "normalizer must be finite and > 0"),
+        ({"normalizer": torch.tensor(0.0)}, ValueError, "normalizer must be finite and > 0"),
+        ({"normalizer": torch.tensor(float("inf"))}, ValueError, "normalizer must be finite and > 0"),
+        ({"temperature": float("inf")}, ValueError, "temperature must be finite"),
+        ({"mask": torch.full((6, 9), 2)}, ValueError, "integer mask must hold only 0 and 1"),
+        ({"mask": torch.full((6, 9), -1, dtype=torch.int8)}, ValueError, "integer mask must hold only 0 and 1"),
         ({"inplace": "yes"}, TypeError, "inplace must be a bool"),
     ],
 )
@@ -142,7 +150,16 @@ def test_selective_log_softmax_errors():
     logits = torch.randn(3, 5)
     with pytest.raises(ValueError, match="target_ids must have shape"):
         gk.selective_log_softmax(logits, torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match="temperature must be a positive"):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
         gk.selective_log_softmax(logits, torch.zeros(3, dtype=torch.long), temperature=-1.0)
+    # inf flattens every row to uniform; the backends would not agree on -log V vs NaN.
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        gk.selective_log_softmax(logits, torch.zeros(3, dtype=torch.long), temperature=float("inf"))
+    with pytest.raises(TypeError, match="temperature must be a Python float"):
+        gk.selective_log_softmax(logits, torch.zeros(3, dtype=torch.long), temperature=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="integer mask must hold only 0 and 1"):
+        gk.selective_log_softmax(logits, torch.zeros(3, dtype=torch.long), mask=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="mask must have shape"):
+        gk.selective_log_softmax(logits, torch.zeros(3, dtype=torch.long), mask=torch.ones(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="empty vocab"):
         gk.selective_log_softmax(torch.randn(3, 0), torch.zeros(3, dtype=torch.long))

@@ -32,16 +32,18 @@ def test_opcheck_token_stats(device, dtype, strided):
     torch.library.opcheck(torch.ops.gspo_kernels.token_stats.default, (logits, targets, 0.9))
 
 
+@pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_logits_grad(device, dtype, with_entropy):
+def test_opcheck_logits_grad(device, dtype, with_entropy, with_mask):
     logits, targets = _inputs(device, dtype, strided=True)
     _, entropy, lse = torch.ops.gspo_kernels.token_stats(logits, targets, 1.0)
     grad_logp = torch.randn_like(lse)
     grad_logp[::3] = 0  # padding rows
     grad_entropy = torch.randn_like(lse) if with_entropy else None
-    args = (targets, lse, entropy, grad_logp, grad_entropy, 1.0)
+    row_mask = torch.rand(lse.shape, device=device) < 0.7 if with_mask else None
+    args = (targets, lse, entropy, grad_logp, grad_entropy, row_mask, 1.0)
     torch.library.opcheck(torch.ops.gspo_kernels.logits_grad.default, (logits, *args))
     inplace = logits.clone()
     torch.library.opcheck(torch.ops.gspo_kernels.logits_grad_.default, (inplace, *args))
@@ -63,7 +65,12 @@ def test_raw_op_argument_checks(device):
         torch.ops.gspo_kernels.token_stats(logits.transpose(1, 2), targets, 1.0)
     _, entropy, lse = torch.ops.gspo_kernels.token_stats(logits, targets, 1.0)
     with pytest.raises(RuntimeError, match="grad_logp must be"):
-        torch.ops.gspo_kernels.logits_grad(logits, targets, lse, entropy, lse[:-1], None, 1.0)
+        torch.ops.gspo_kernels.logits_grad(logits, targets, lse, entropy, lse[:-1], None, None, 1.0)
+    with pytest.raises(RuntimeError, match="row_mask must be"):
+        torch.ops.gspo_kernels.logits_grad(logits, targets, lse, entropy, lse, None, targets, 1.0)
+    with pytest.raises(RuntimeError, match="do not share memory"):
+        overlapping = logits.reshape(-1)[: 2 * 97 + 50].as_strided((3, 97), (50, 1))
+        torch.ops.gspo_kernels.logits_grad_(overlapping, targets[:3], lse[:3], entropy[:3], lse[:3], None, None, 1.0)
 
 
 def _cuobjdump():

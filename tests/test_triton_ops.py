@@ -12,9 +12,10 @@ tb = backends.triton_backend
 pytestmark = pytest.mark.skipif(tb is None, reason="triton not installed")
 
 
+@pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_opcheck_triton_ops(dtype, with_entropy):
+def test_opcheck_triton_ops(dtype, with_entropy, with_mask):
     device = device_for("triton")
     full = torch.randn(2, 5, 97, device=device).to(dtype)
     logits = full[:, :-1]  # strided rows
@@ -24,7 +25,8 @@ def test_opcheck_triton_ops(dtype, with_entropy):
     _, entropy, lse = ops.triton_token_stats(logits, targets, 1.3)
     grad_logp = torch.randn_like(lse)
     grad_entropy = torch.randn_like(lse) if with_entropy else None
-    args = (targets, lse, entropy, grad_logp, grad_entropy, 1.3)
+    row_mask = torch.rand(lse.shape, device=device) < 0.7 if with_mask else None
+    args = (targets, lse, entropy, grad_logp, grad_entropy, row_mask, 1.3)
     torch.library.opcheck(ops.triton_logits_grad.default, (logits, *args))
     torch.library.opcheck(ops.triton_logits_grad_.default, (logits.clone(), *args))
 
@@ -34,5 +36,5 @@ def test_triton_inplace_op_refuses_overlapping_rows():
     logits = torch.randn(1, 4, 33, device=device).expand(3, 4, 33)
     targets = torch.randint(0, 33, (12,), device=device)
     _, entropy, lse = torch.ops.gspo_kernels.triton_token_stats(logits, targets, 1.0)
-    with pytest.raises(ValueError, match="overlap"):
-        torch.ops.gspo_kernels.triton_logits_grad_(logits, targets, lse, entropy, torch.ones_like(lse), None, 1.0)
+    with pytest.raises(ValueError, match="do not share memory"):
+        torch.ops.gspo_kernels.triton_logits_grad_(logits, targets, lse, entropy, torch.ones_like(lse), None, None, 1.0)

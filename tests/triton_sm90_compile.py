@@ -39,14 +39,14 @@ def main() -> int:
             {"BLOCK_V": block},
             aligned=["logits_ptr", "targets_ptr", "logp_ptr", "entropy_ptr", "lse_ptr", "stride_b", "stride_t", "vocab"],
         )))
-        for has_h in (False, True):
-            compiled.append((dtype, f"logits_grad(entropy={has_h})", compile_kernel(
+        for has_h, has_mask in ((False, True), (True, False)):
+            compiled.append((dtype, f"logits_grad(entropy={has_h}, mask={has_mask})", compile_kernel(
                 K.logits_grad_kernel,
                 {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "lse_ptr": "*fp32",
                  "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
-                 "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64", "grad_stride_b": "i64",
+                 "row_mask_ptr": "*i1", "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64", "grad_stride_b": "i64",
                  "grad_stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32"},
-                {"HAS_ENTROPY_GRAD": has_h, "BLOCK_V": block},
+                {"HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": has_mask, "BLOCK_V": block},
                 aligned=["logits_ptr", "grad_ptr", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "vocab"],
             )))
     failures = 0
@@ -54,7 +54,7 @@ def main() -> int:
         ptx = k.asm["ptx"]
         wide_loads = "ld.global.v4" in ptx
         wide_stores = "st.global.v4" in ptx or name == "token_stats"  # token_stats stores scalars
-        print(f"{dtype:5s} {name:26s} sm_90 cubin {len(k.asm['cubin']):6d} B, "
+        print(f"{dtype:5s} {name:38s} sm_90 cubin {len(k.asm['cubin']):6d} B, "
               f"16-byte loads: {wide_loads}, 16-byte stores: {wide_stores}")
         failures += not (wide_loads and wide_stores)
     return 1 if failures else 0

@@ -1,12 +1,11 @@
 // CPU kernels: rows in parallel (at::parallel_for), SIMD over the vocab (at::vec), fp32 math.
 //
-// Stage 1 streams each row in blocks of kBlock logits: one pass takes the block's max, a
-// second (from L1) one exp per element, and the block's stats merge into the row's
-// (gspo_math.h), so the row is read from memory once. Stage 3 is a single pass that loads,
-// computes and stores each SIMD vector. A NaN anywhere in a row makes that row's results NaN,
-// handled once per block or row rather than per element.
+// Stage 1 streams each row in blocks of kBlock logits, one exp per element at the row's
+// running max (row_stats), and merges each block's stats into the row's (gspo_math.h), so the
+// row is read from memory once. Stage 3 is a single pass that loads, computes and stores each
+// SIMD vector, after the row rule (row_action) has decided whether the row is read at all. A
+// NaN anywhere in a row makes that row's results NaN, checked once per block, not per element.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -251,6 +250,7 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
   const float* entropy = g_in.entropy.const_data_ptr<float>();
   const float* grad_logp = g_in.grad_logp.const_data_ptr<float>();
   const float* grad_entropy = kEntropyGrad ? g_in.grad_entropy->const_data_ptr<float>() : nullptr;
+  const bool* row_mask = g_in.row_mask.has_value() ? g_in.row_mask->const_data_ptr<bool>() : nullptr;
   const int64_t vocab = in.vocab;
   const int64_t n_vec = vocab - vocab % kStep<scalar_t>;
   at::parallel_for(0, in.rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
@@ -260,16 +260,14 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       const float g = grad_logp[row];
       const float h = kEntropyGrad ? grad_entropy[row] : 0.f;
       const float row_lse = lse[row], row_entropy = kEntropyGrad ? entropy[row] : 0.f;
-      if ((g == 0.f && h == 0.f) || !std::isfinite(row_lse)) {
-        // Padding: exact zeros, never reading the row. A row with no finite softmax (a NaN or
-        // +inf logit, or all -inf): NaN throughout, as in the reference.
-        std::fill_n(dst, vocab, scalar_t((g == 0.f && h == 0.f) ? 0.f : kNaN));
+      const int64_t y = targets[row];
+      const RowAction action = row_action(row_mask == nullptr || row_mask[row], row_lse, y, vocab, g, h);
+      if (action != RowAction::kCompute) {  // the row is never read
+        std::fill_n(dst, vocab, scalar_t(action == RowAction::kZero ? 0.f : kNaN));
         continue;
       }
-      const int64_t y = targets[row];
-      const bool has_target = y >= 0 && y < vocab;
       // Read before the loop: in place, the loop overwrites src[y].
-      const float log_p_target = has_target ? static_cast<float>(src[y]) * inv_t - row_lse : 0.f;
+      const float log_p_target = static_cast<float>(src[y]) * inv_t - row_lse;
       const float neg_g = -g * inv_t, neg_h = -h * inv_t;
       const Vec vscale(inv_t), vneg_lse(-row_lse), vent(row_entropy), vneg_g(neg_g), vneg_h(neg_h);
       for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
@@ -281,10 +279,8 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
         const float log_p = static_cast<float>(src[i]) * inv_t - row_lse;
         dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(log_p, row_entropy, neg_g, neg_h));
       }
-      if (has_target) {
-        const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(log_p_target, row_entropy, neg_g, neg_h);
-        dst[y] = scalar_t(term + g * inv_t);
-      }
+      const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(log_p_target, row_entropy, neg_g, neg_h);
+      dst[y] = scalar_t(term + g * inv_t);
     }
   });
 }

@@ -7,7 +7,6 @@
 // and merges the batch's stats into its own (gspo_math.h); threads then merge through warp
 // shuffles and shared memory. Rows whose start is not 16-byte aligned take the scalar path.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -67,6 +66,7 @@ struct GradArgs {
   const float* entropy;
   const float* grad_logp;
   const float* grad_entropy;
+  const bool* row_mask;  // null: every row is in the loss
   float inv_temperature;
 };
 
@@ -173,25 +173,21 @@ __global__ void __launch_bounds__(kBlockThreads) logits_grad_kernel(GradArgs<sca
   P* dst = reinterpret_cast<P*>(dst_elems);
   const float g = a.grad_logp[row];
   const float h = kEntropyGrad ? a.grad_entropy[row] : 0.f;
-
-  if (g == 0.f && h == 0.f) {  // padding: exact zeros, and the row is never read
-    P zero;
+  const int64_t y = a.targets[row];
+  const RowAction action = row_action(a.row_mask == nullptr || a.row_mask[row], a.lse[row], y, vocab, g, h);
+  if (action != RowAction::kCompute) {  // zeros or NaN throughout, and the row is never read
+    const scalar_t fill = scalar_t(action == RowAction::kZero ? 0.f : NAN);
+    P packed;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) zero.v[k] = scalar_t(0.f);
-    for (int64_t i = lane; i < n_packs; i += kThreadsPerRow) dst[i] = zero;
-    for (int64_t v = n_packs * kVec + lane; v < vocab; v += kThreadsPerRow) dst_elems[v] = scalar_t(0.f);
-    return;
-  }
-
-  if (!isfinite(a.lse[row])) {  // no finite softmax (a NaN or +inf logit, or all -inf): NaN, as the reference
-    for (int64_t v = lane; v < vocab; v += kThreadsPerRow) dst_elems[v] = scalar_t(NAN);
+    for (int k = 0; k < kVec; ++k) packed.v[k] = fill;
+    for (int64_t i = lane; i < n_packs; i += kThreadsPerRow) dst[i] = packed;
+    for (int64_t v = n_packs * kVec + lane; v < vocab; v += kThreadsPerRow) dst_elems[v] = fill;
     return;
   }
   const float inv_t = a.inv_temperature;
   const float neg_lse = -a.lse[row];
   const float entropy = kEntropyGrad ? a.entropy[row] : 0.f;
   const float neg_g = -g * inv_t, neg_h = -h * inv_t, g_scaled = g * inv_t;
-  const int64_t y = a.targets[row];
   auto grad_of = [&](float x, int64_t v) {
     float d = softmax_grad_term<DeviceOps, kEntropyGrad>(fmaf(x, inv_t, neg_lse), entropy, neg_g, neg_h);
     if (v == y) d += g_scaled;
@@ -323,6 +319,7 @@ void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g
                                   g_in.targets.const_data_ptr<int64_t>(), g_in.lse.const_data_ptr<float>(),
                                   g_in.entropy.const_data_ptr<float>(), g_in.grad_logp.const_data_ptr<float>(),
                                   has_h ? g_in.grad_entropy->const_data_ptr<float>() : nullptr,
+                                  g_in.row_mask.has_value() ? g_in.row_mask->const_data_ptr<bool>() : nullptr,
                                   static_cast<float>(inv_temperature)};
     const bool aligned = rows_16b_aligned<scalar_t>(args.logits, in) && rows_16b_aligned<scalar_t>(args.grad, out);
     with_kernel_shape<scalar_t>(aligned, in.vocab, GradLaunch<scalar_t>{args, stream});

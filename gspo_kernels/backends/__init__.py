@@ -4,13 +4,12 @@ Every backend module exposes the same three functions over logits of shape `[B, 
 `[N, V]` (leading dims may be strided views; the vocab dim must be the unit-stride one):
 
     token_stats(logits, targets, inv_temperature) -> (logp, entropy, lse)      each [N] fp32
-    logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
-        -> new tensor like logits
-    logits_grad_(...same...) -> logits, with the gradient written into its storage
-                                 (only for logits that layout.writable_in_place accepts)
+    logits_grad(logits, inputs: GradInputs) -> new tensor like logits
+    logits_grad_(logits, inputs: GradInputs) -> logits, with the gradient written into its
+                                 storage (only for logits that layout.writable_in_place accepts)
 
-`targets` is a contiguous `[N]` int64 tensor; `grad_entropy` may be None (no entropy term).
-A target outside [0, V) gives logp = NaN for that row and no one-hot term in the gradient.
+`targets` is a contiguous `[N]` int64 tensor. A target outside [0, V) gives logp = NaN for
+that row. GradInputs (grad_inputs.py) states the row rule of the gradient.
 """
 
 from __future__ import annotations

@@ -48,14 +48,23 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def rows_overlap(t: torch.Tensor) -> bool:
-    """True when distinct elements share memory (e.g. an expand()ed batch): writing a gradient
-    into such a tensor in place would have rows overwrite each other."""
-    # 1 = overlap for sure; 2 = "too hard to tell", which a strided view like logits[:, :-1] gets.
-    return torch._debug_has_internal_overlap(t) == 1
+def elements_disjoint(t: torch.Tensor) -> bool:
+    """Whether no two elements of `t` can share memory, by a sufficient test: with the dims of
+    size > 1 sorted by stride, each stride must pass the largest offset the smaller ones reach.
+    Every dense or sliced layout passes (logits[:, :-1] included); expand()ed and as_strided
+    views whose rows overlap fail, as do a few exotic disjoint ones (they get a new buffer).
+    The same test guards the native in-place op (csrc/op_common.h)."""
+    if t.numel() == 0:
+        return True
+    reach = 0
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
 
 
 def writable_in_place(t: torch.Tensor) -> bool:
     """Whether a backend's logits_grad_ may write the gradient over `t`: the kernels need the
     vocab dim at stride 1, and no two rows may share memory."""
-    return has_unit_vocab_stride(t) and not rows_overlap(t)
+    return has_unit_vocab_stride(t) and elements_disjoint(t)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .grad_inputs import GradInputs
 from .layout import with_unit_vocab_stride
 
 name = "native"
@@ -34,11 +35,11 @@ if _C is not None:
         return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
 
     @torch.library.register_fake("gspo_kernels::logits_grad")
-    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("gspo_kernels::logits_grad_")
-    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature):
         return None
 
 
@@ -46,12 +47,10 @@ def token_stats(logits, targets, inv_temperature):
     return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, inv_temperature)
 
 
-def logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
-    return torch.ops.gspo_kernels.logits_grad(
-        with_unit_vocab_stride(logits), targets, lse, entropy, grad_logp, grad_entropy, inv_temperature
-    )
+def logits_grad(logits, inputs: GradInputs):
+    return torch.ops.gspo_kernels.logits_grad(with_unit_vocab_stride(logits), *inputs.op_args())
 
 
-def logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
-    torch.ops.gspo_kernels.logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+def logits_grad_(logits, inputs: GradInputs):
+    torch.ops.gspo_kernels.logits_grad_(logits, *inputs.op_args())
     return logits

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .grad_inputs import GradInputs
+
 name = "torch"
 
 # Log-probabilities below this are probability 0 even in float32; clamping there changes no
@@ -49,37 +51,41 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
     return logp, entropy, (row_max + log_sum).squeeze(-1)
 
 
-def _grad_rows(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+def _grad_rows(logits, inputs: GradInputs):
+    lse, entropy, targets = inputs.lse, inputs.entropy, inputs.targets
+    inv_temperature = inputs.inv_temperature
     log_p = _scaled_rows(logits, inv_temperature).sub_(lse.unsqueeze(-1))
     grad = torch.exp(log_p)
-    g = grad_logp.to(grad.dtype).unsqueeze(-1)
-    if grad_entropy is None:
+    g = inputs.grad_logp.to(grad.dtype).unsqueeze(-1)
+    if inputs.grad_entropy is None:
         grad.mul_(-g)
     else:
-        h = grad_entropy.to(grad.dtype).unsqueeze(-1)
+        h = inputs.grad_entropy.to(grad.dtype).unsqueeze(-1)
         coef = log_p.clamp_(min=_LOG_FLOOR).add_(entropy.to(grad.dtype).unsqueeze(-1)).mul_(h).add_(g)
         grad.mul_(coef).neg_()
     vocab = grad.shape[-1]
-    one_hot = torch.where(_valid(targets, vocab).unsqueeze(-1), g, torch.zeros_like(g))
+    valid = _valid(targets, vocab)
+    one_hot = torch.where(valid.unsqueeze(-1), g, torch.zeros_like(g))
     grad.scatter_add_(-1, targets.clamp(0, vocab - 1).long().unsqueeze(-1), one_hot)
     grad.mul_(inv_temperature)
-    active = grad_logp != 0
-    if grad_entropy is not None:
-        active = active | (grad_entropy != 0)
-    # No finite softmax in the row (a NaN or +inf logit, or all -inf): NaN, as the reference.
-    grad.masked_fill_(~torch.isfinite(lse).unsqueeze(-1), float("nan"))
-    # Rows with no upstream gradient (padding) get an exact zero, even if their logits are garbage.
-    return grad.masked_fill_(~active.unsqueeze(-1), 0.0)
+    # The row rule of GradInputs, applied after the fact (this backend reads every row anyway).
+    has_upstream = inputs.grad_logp != 0
+    if inputs.grad_entropy is not None:
+        has_upstream = has_upstream | (inputs.grad_entropy != 0)
+    make_nan = ~torch.isfinite(lse) | ~valid
+    if inputs.row_mask is not None:
+        make_nan = make_nan & inputs.row_mask
+        has_upstream = has_upstream & inputs.row_mask
+    grad.masked_fill_(~has_upstream.unsqueeze(-1), 0.0)
+    return grad.masked_fill_(make_nan.unsqueeze(-1), float("nan"))
 
 
-def logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+def logits_grad(logits, inputs: GradInputs):
     """dLoss/dlogits in a new tensor shaped and typed like `logits`."""
-    grad = _grad_rows(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
-    return grad.to(logits.dtype).reshape(logits.shape)
+    return _grad_rows(logits, inputs).to(logits.dtype).reshape(logits.shape)
 
 
-def logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+def logits_grad_(logits, inputs: GradInputs):
     """Same as logits_grad, written into the logits' own storage."""
-    grad = _grad_rows(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
-    logits.copy_(grad.reshape(logits.shape))
+    logits.copy_(_grad_rows(logits, inputs).reshape(logits.shape))
     return logits

@@ -9,7 +9,8 @@ import torch
 import triton
 
 from . import triton_kernels as kernels
-from .layout import RowLayout, next_power_of_2, rows_overlap, with_unit_vocab_stride
+from .grad_inputs import GradInputs
+from .layout import RowLayout, elements_disjoint, next_power_of_2, with_unit_vocab_stride
 
 name = "triton"
 
@@ -69,59 +70,61 @@ def _(logits, targets, inv_temperature):
     return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
 
 
-def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature):
     layout = RowLayout.of(logits)
     out_layout = RowLayout.of(grad)
     if not (layout.rows and layout.vocab):
         return
     cfg = _launch_config(logits)
-    has_h = grad_entropy is not None
     kernels.logits_grad_kernel[(layout.rows,)](
         logits, grad, targets, lse, entropy, grad_logp,
-        grad_entropy if has_h else grad_logp,  # never read when HAS_ENTROPY_GRAD is False
+        # Never read when the matching flag is False: any row vector stands in.
+        grad_logp if grad_entropy is None else grad_entropy,
+        targets if row_mask is None else row_mask,
         layout.rows_per_batch, layout.stride_b, layout.stride_t,
         out_layout.stride_b, out_layout.stride_t, layout.vocab, inv_temperature,
-        HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+        HAS_ENTROPY_GRAD=grad_entropy is not None, HAS_ROW_MASK=row_mask is not None,
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
 
 
 @torch.library.custom_op("gspo_kernels::triton_logits_grad", mutates_args=())
 def _logits_grad_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-    grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_temperature: float,
+    grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, row_mask: torch.Tensor | None,
+    inv_temperature: float,
 ) -> torch.Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature)
     return grad
 
 
 @_logits_grad_op.register_fake
-def _(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
+def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("gspo_kernels::triton_logits_grad_", mutates_args=("logits",))
 def _logits_grad_inplace_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-    grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, inv_temperature: float,
+    grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, row_mask: torch.Tensor | None,
+    inv_temperature: float,
 ) -> None:
     # Each program reads a block of its row before writing the same block: in place is safe,
     # as long as no two rows share memory.
-    if rows_overlap(logits):
-        raise ValueError("logits_grad_: the logits' rows overlap in memory; use logits_grad")
-    _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+    if not elements_disjoint(logits):
+        raise ValueError("logits_grad_ needs logits whose rows do not share memory; use logits_grad")
+    _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature)
 
 
 def token_stats(logits, targets, inv_temperature):
     return _token_stats_op(with_unit_vocab_stride(logits), targets, inv_temperature)
 
 
-def logits_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
-    return _logits_grad_op(
-        with_unit_vocab_stride(logits), targets, lse, entropy, grad_logp, grad_entropy, inv_temperature
-    )
+def logits_grad(logits, inputs: GradInputs):
+    return _logits_grad_op(with_unit_vocab_stride(logits), *inputs.op_args())
 
 
-def logits_grad_(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature):
-    _logits_grad_inplace_op(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature)
+def logits_grad_(logits, inputs: GradInputs):
+    _logits_grad_inplace_op(logits, *inputs.op_args())
     return logits

@@ -90,26 +90,35 @@ def token_stats_kernel(
 
 @triton.jit
 def logits_grad_kernel(
-    logits_ptr, grad_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    logits_ptr, grad_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
     rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t, vocab, inv_temperature,
-    HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dLoss/dx = (g * (1[v == y] - p) - h * p * (log p + H)) / temperature, in grad's dtype."""
+    """dLoss/dx = (g * (1[v == y] - p) - h * p * (log p + H)) / temperature, in grad's dtype.
+
+    The row rule of csrc/gspo_math.h (row_action): rows outside the loss (row_mask) get zeros;
+    a row in the loss with no finite softmax (a NaN or +inf logit, or all -inf) or an
+    out-of-range target gets NaN; a row with g = h = 0 gets zeros. None of these is read.
+    """
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + _row_offset(row, rows_per_batch, stride_b, stride_t)
     out_ptr = grad_ptr + _row_offset(row, rows_per_batch, grad_stride_b, grad_stride_t)
     g = tl.load(grad_logp_ptr + row)
-    # Padding rows (no upstream gradient) skip the read and get exact zeros, whatever their logits.
-    active = g != 0.0
+    has_upstream = g != 0.0
     if HAS_ENTROPY_GRAD:
         h = tl.load(grad_entropy_ptr + row)
         entropy = tl.load(entropy_ptr + row)
-        active = active | (h != 0.0)
+        has_upstream = has_upstream | (h != 0.0)
     lse = tl.load(lse_ptr + row)
-    # No finite softmax in the row (a NaN or +inf logit, or all -inf): NaN, as the reference.
-    no_softmax = (lse != lse) | (lse == float("inf")) | (lse == -float("inf"))
     target = tl.load(targets_ptr + row)
-    read_limit = tl.where(active, vocab, 0)
+    no_softmax = (lse != lse) | (lse == float("inf")) | (lse == -float("inf"))
+    make_nan = no_softmax | (target < 0) | (target >= vocab)
+    compute = has_upstream & (make_nan == 0)
+    if HAS_ROW_MASK:
+        in_loss = tl.load(row_mask_ptr + row) != 0
+        make_nan = make_nan & in_loss
+        compute = compute & in_loss
+    read_limit = tl.where(compute, vocab, 0)
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, vocab, BLOCK_V):
         idx = start + cols
@@ -121,8 +130,7 @@ def logits_grad_kernel(
         else:
             coef = g
         # p == 0 at a -inf logit, where coef may be -inf: the product's true value is 0.
-        # (Only exact zeros: a NaN logit must keep its row's gradient NaN.)
         grad = tl.where(p == 0, 0.0, -p * coef) + tl.where(idx == target, g, 0.0)
-        grad = tl.where(no_softmax, float("nan"), grad * inv_temperature)
-        grad = tl.where(active, grad, 0.0)
+        grad = tl.where(compute, grad * inv_temperature, 0.0)
+        grad = tl.where(make_nan, float("nan"), grad)
         tl.store(out_ptr + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < vocab)

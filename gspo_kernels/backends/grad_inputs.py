@@ -1,0 +1,31 @@
+"""What stage 3 reads besides the logits, bundled once for every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GradInputs:
+    """Per-row `[N]` tensors (float32 unless noted) and the temperature of one backward pass.
+
+    Row rule, the same on every backend (csrc/gspo_math.h, row_action): a row outside
+    `row_mask` gets zeros whatever its logits hold, and is not read; a row in the loss with no
+    finite softmax (a NaN or +inf logit, or all -inf) or a target outside [0, V) gets NaN
+    throughout; a row whose upstream gradients are both 0 gets zeros, unread.
+    """
+
+    targets: torch.Tensor  # int64
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    grad_logp: torch.Tensor
+    grad_entropy: torch.Tensor | None  # None: no entropy term
+    row_mask: torch.Tensor | None  # bool; None: every row is in the loss
+    inv_temperature: float
+
+    def op_args(self) -> tuple:
+        """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
+        return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
+                self.inv_temperature)
