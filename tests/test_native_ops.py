@@ -103,3 +103,14 @@ def test_cuda_part_carries_sm90_machine_code():
     sass = subprocess.run([tool, "-sass", "-arch", "sm_90", so], capture_output=True, text=True, check=True).stdout
     assert "token_stats_kernel" in sass and "logits_grad_kernel" in sass
     assert "LDG.E.128" in sass and "STG.E.128" in sass  # the 16-byte loads and stores are there
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="no nm")
+def test_cpu_kernels_inline_the_simd_exp():
+    """An out-of-line at::vec exp (one call per SIMD vector) once cost stage 1 40% of its time,
+    after an unrelated edit moved GCC's inlining budget; GSPO_HOT_LOOP (flatten) prevents it."""
+    if backends.native_backend._C.cpu_capability == "DEFAULT":
+        pytest.skip("scalar build: no SIMD exp")
+    so = backends.native_backend._C.__file__
+    symbols = subprocess.run(["nm", "-C", so], capture_output=True, text=True, check=True).stdout
+    assert "exp_u20" not in symbols
