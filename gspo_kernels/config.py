@@ -6,7 +6,18 @@ import math
 from dataclasses import dataclass
 
 LEVELS = ("sequence", "sequence_token", "token")
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")
+ROLLOUT_CORRECTIONS = (None, "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
+# Levels each objective is defined at. CISPO's ratio is a detached weight, so "sequence_token"
+# (value s_i, gradient through each token) would be "sequence" again; GMPO is a geometric mean
+# over the sequence by definition.
+OBJECTIVE_LEVELS = {
+    "clip": LEVELS,
+    "sapo": LEVELS,
+    "cispo": ("sequence", "token"),
+    "gmpo": ("sequence",),
+}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 BACKENDS = ("auto", "triton", "torch", "cpu", "cuda")
 
@@ -14,6 +25,10 @@ BACKENDS = ("auto", "triton", "torch", "cpu", "cuda")
 def _choice(name: str, value, allowed) -> None:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _optional_real(name: str, value) -> float | None:
+    return None if value is None else _real(name, value)
 
 
 def _real(name: str, value) -> float:
@@ -54,6 +69,20 @@ class GSPOConfig:
     entropy_coef: float = 0.0
     backend: str = "auto"
     inplace: bool = False
+    # The policy-loss family (README, "Objectives and corrections"): all stage 2.
+    objective: str = "clip"
+    delta: float | None = None  # two-sided clip (TRL): cap on the unclipped ratio
+    clip_ratio_c: float | None = None  # dual clip (verl): loss <= -A * c for A < 0
+    sapo_tau_pos: float = 1.0  # SAPO gate temperatures (TRL's defaults)
+    sapo_tau_neg: float = 1.05
+    rollout_correction: str | None = None  # how rollout_logprobs correct the policy term
+    rollout_is_min: float | None = None
+    rollout_is_max: float | None = 2.0
+    top_entropy_quantile: float = 1.0  # keep tokens whose entropy is in the top fraction
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences this far off-policy
+    use_bias_correction_kl: bool = False  # KL term times the importance ratio (TRL)
+    kl_clamp: float | None = None  # per-token KL clamped to [-c, c] (verl: 10)
+    log_ratio_clamp: tuple = (-20.0, 20.0)  # bounds of every log-ratio before exp; None = open
 
     def __post_init__(self) -> None:
         _choice("level", self.level, LEVELS)
@@ -75,3 +104,46 @@ class GSPOConfig:
             raise ValueError(f"max_len must be a positive int or None; got {self.max_len!r}")
         if not isinstance(self.inplace, bool):
             raise TypeError(f"inplace must be a bool; got {type(self.inplace).__name__}")
+        self._check_family()
+
+    def _check_family(self) -> None:
+        _choice("objective", self.objective, OBJECTIVES)
+        if self.level not in OBJECTIVE_LEVELS[self.objective]:
+            raise ValueError(
+                f"objective={self.objective!r} is defined at level "
+                f"{' or '.join(map(repr, OBJECTIVE_LEVELS[self.objective]))}; got level={self.level!r}"
+            )
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of {ROLLOUT_CORRECTIONS}; got {self.rollout_correction!r}")
+        for name in ("delta", "clip_ratio_c", "rollout_is_min", "rollout_is_max", "off_policy_mask_threshold",
+                     "kl_clamp"):
+            object.__setattr__(self, name, _optional_real(name, getattr(self, name)))
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "top_entropy_quantile"):
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
+        if (self.delta is not None or self.clip_ratio_c is not None) and self.objective != "clip":
+            raise ValueError("delta and clip_ratio_c shape the clipped objective; they need objective='clip'")
+        if self.delta is not None and not self.delta > 1.0 + self.eps_high:
+            raise ValueError(f"delta caps the unclipped ratio and must exceed 1 + eps_high; got {self.delta}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c (dual clip) must be > 1; got {self.clip_ratio_c}")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {self.top_entropy_quantile}")
+        low, high = self.rollout_is_min, self.rollout_is_max
+        if self.rollout_correction is not None and low is None and high is None:
+            raise ValueError("rollout_correction needs rollout_is_max and/or rollout_is_min")
+        if (low is not None and low < 0) or (high is not None and high <= 0) or (
+                low is not None and high is not None and low >= high):
+            raise ValueError(f"need 0 <= rollout_is_min < rollout_is_max; got {low}, {high}")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"kl_clamp must be > 0; got {self.kl_clamp}")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise TypeError("use_bias_correction_kl must be a bool")
+        clamp = self.log_ratio_clamp
+        if not isinstance(clamp, (tuple, list)) or len(clamp) != 2:
+            raise ValueError(f"log_ratio_clamp must be a (low, high) pair, None for an open side; got {clamp!r}")
+        low, high = (_optional_real("log_ratio_clamp", v) for v in clamp)
+        if low is not None and high is not None and not low < high:
+            raise ValueError(f"log_ratio_clamp needs low < high; got {clamp!r}")
+        object.__setattr__(self, "log_ratio_clamp", (low, high))

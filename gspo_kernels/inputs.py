@@ -179,10 +179,38 @@ class LossBatch:
     segments: Segments
     normalizer: torch.Tensor | float | None
     horizon: int | None
+    rollout_logprobs: torch.Tensor | None = None
+    entropy_threshold: torch.Tensor | None = None
+
+
+def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):
+    rollout = _per_token_logprobs("rollout_logprobs", value, token_shape, device)
+    if config.rollout_correction is not None and rollout is None:
+        raise ValueError(f"rollout_correction={config.rollout_correction!r} needs rollout_logprobs")
+    if rollout is not None and config.rollout_correction is None and config.off_policy_mask_threshold is None:
+        raise ValueError("rollout_logprobs are read only by rollout_correction or off_policy_mask_threshold; "
+                         "set one of them, or drop rollout_logprobs")
+    return rollout
+
+
+def _entropy_threshold(config: GSPOConfig, value, device):
+    if value is None:
+        return None
+    if config.top_entropy_quantile >= 1.0:
+        raise ValueError("entropy_threshold replaces the top_entropy_quantile threshold; set top_entropy_quantile < 1")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"entropy_threshold must be a scalar; got shape {tuple(value.shape)}")
+        _require_device("entropy_threshold", value, device)
+        return value.reshape(()).detach()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"entropy_threshold must be a float or a scalar tensor; got {type(value).__name__}")
+    return torch.tensor(float(value), device=device)
 
 
 def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *,
-                  mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None) -> LossBatch:
+                  mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None, rollout_logprobs=None,
+                  entropy_threshold=None) -> LossBatch:
     targets = check_logits_and_targets(logits, target_ids)
     device, token_shape = logits.device, target_ids.shape
     segments = _segments(logits, cu_seqlens)
@@ -206,4 +234,6 @@ def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantag
         segments=segments,
         normalizer=_normalizer(normalizer, device),
         horizon=horizon,
+        rollout_logprobs=_rollout_logprobs(config, rollout_logprobs, token_shape, device),
+        entropy_threshold=_entropy_threshold(config, entropy_threshold, device),
     )

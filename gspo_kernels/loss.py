@@ -27,19 +27,12 @@ def gspo_loss(
     *,
     mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    level: str = "sequence",
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    temperature: float = 1.0,
-    loss_agg: str = "seq-mean-token-mean",
-    normalizer: torch.Tensor | float | None = None,
-    max_len: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    backend: str = "auto",
-    inplace: bool = False,
+    rollout_logprobs: torch.Tensor | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    entropy_threshold: torch.Tensor | float | None = None,
+    config: GSPOConfig | None = None,
+    **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO policy loss (Qwen, arXiv 2507.18071) with a fused logits gradient.
 
@@ -47,20 +40,26 @@ def gspo_loss(
     `(B, T)`; packed logits `(N, V)` with `cu_seqlens (S+1,)`, per-token inputs `(N,)` and
     advantages `(S,)` or `(N,)` (when S == N they are read per sequence).
 
-    Returns the scalar loss (float32; float64 for float64 logits) and a dict of detached metrics: token_logprobs, entropy
-    (per token), seq_ratio (per sequence), clip_frac, clip_frac_low, clip_frac_high,
-    entropy_mean, and kl when ref_logprobs is given. The README's semantics table defines
-    each option. With inplace=True the backward pass may overwrite the logits with their
-    gradient: do not read the logits after calling backward.
+    The keyword arguments above are this call's tensors. Every other keyword is a loss option
+    (level, eps_low, eps_high, temperature, loss_agg, objective, beta, ...: the fields of
+    GSPOConfig, defined in the README's semantics tables); alternatively pass a ready
+    `config=GSPOConfig(...)`, validated once.
+
+    Returns the scalar loss (float32; float64 for float64 logits) and a dict of detached
+    metrics: token_logprobs, entropy (per token), seq_ratio (per sequence), clip_frac,
+    clip_frac_low, clip_frac_high, seq_clip_frac_low, seq_clip_frac_high, entropy_mean, kl
+    when ref_logprobs is given, and those of the corrections in use. With inplace=True the
+    backward pass may overwrite the logits with their gradient: do not read the logits after
+    calling backward.
     """
-    config = GSPOConfig(
-        level=level, eps_low=eps_low, eps_high=eps_high, temperature=temperature,
-        loss_agg=loss_agg, max_len=max_len, beta=beta, kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef, backend=backend, inplace=inplace,
-    )
+    if config is None:
+        config = GSPOConfig(**options)
+    elif options:
+        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
     return _gspo_loss_with_config(
-        config, logits, target_ids, old_logprobs, advantages, mask=mask,
-        cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, normalizer=normalizer,
+        config, logits, target_ids, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
+        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
+        entropy_threshold=entropy_threshold,
     )
 
 
@@ -75,12 +74,10 @@ class GSPOLoss(torch.nn.Module):
         super().__init__()
         self.config = GSPOConfig(**options)
 
-    def forward(self, logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None,
-                ref_logprobs=None, normalizer=None):
-        return _gspo_loss_with_config(
-            self.config, logits, target_ids, old_logprobs, advantages, mask=mask,
-            cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, normalizer=normalizer,
-        )
+    def forward(self, logits, target_ids, old_logprobs, advantages, **tensors):
+        """Takes gspo_loss's per-call keywords: mask, cu_seqlens, ref_logprobs,
+        rollout_logprobs, normalizer, entropy_threshold."""
+        return _gspo_loss_with_config(self.config, logits, target_ids, old_logprobs, advantages, **tensors)
 
     def extra_repr(self) -> str:
         return repr(self.config)

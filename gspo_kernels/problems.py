@@ -25,6 +25,13 @@ _SEQUENCE_CASES = (
     (-1e-4, -1.0),
 )
 _TOKEN_ZIGZAG = 3e-3
+# Sampler (rollout) log-probs sit below the old ones by a per-sequence offset (cycling) plus a
+# +-0.9 per-token zigzag, so importance weights exp(old - rollout) land on both sides of the
+# bounds the tests use ([0.4, 2]) at token and sequence level alike (e^(+-1) and e^(+-0.2) per
+# sequence; e^(0.2 + 0.9) = 3.0, e^(-0.2 - 0.9) = 0.33 per token), and the sequences offset by
+# -1 sit ~1 nat off-policy.
+_ROLLOUT_OFFSETS = (1.0, -1.0, 0.2, -0.2)
+_ROLLOUT_ZIGZAG = 0.9
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class ProblemSpec:
     strided: bool = False  # logits are a view with a row stride larger than V
     token_advantages: bool = False
     with_ref: bool = False
+    with_rollout: bool = False
     logit_scale: float = 2.0
     device: str = "cpu"
     seed: int = 0
@@ -56,6 +64,7 @@ class Problem:
     mask: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
 
     @property
     def logits(self) -> torch.Tensor:
@@ -71,6 +80,8 @@ class Problem:
         kwargs = {"mask": self.mask, "temperature": self.spec.temperature}
         if self.ref_logprobs is not None:
             kwargs["ref_logprobs"] = self.ref_logprobs
+        if self.rollout_logprobs is not None:
+            kwargs["rollout_logprobs"] = self.rollout_logprobs
         if self.cu_seqlens is not None:
             kwargs["cu_seqlens"] = self.cu_seqlens
         return args, kwargs
@@ -99,6 +110,7 @@ class Problem:
             old_logprobs=cat(self.old_logprobs), mask=cat(self.mask),
             advantages=cat(self.advantages) if self.spec.token_advantages else self.advantages,
             ref_logprobs=None if self.ref_logprobs is None else cat(self.ref_logprobs), cu_seqlens=cu,
+            rollout_logprobs=None if self.rollout_logprobs is None else cat(self.rollout_logprobs),
         )
 
 
@@ -154,10 +166,17 @@ def make_problem(spec: ProblemSpec = ProblemSpec()) -> Problem:
         # Offset so the k1 estimate (a signed mean) is not a near-cancelling sum of noise.
         ref = (true_logp - 0.1 + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64)).float()
 
+    rollout = None
+    if spec.with_rollout:
+        offsets = torch.tensor([_ROLLOUT_OFFSETS[i % len(_ROLLOUT_OFFSETS)] for i in range(b)], dtype=torch.float64)
+        zigzag = _ROLLOUT_ZIGZAG * (1.0 - 2.0 * (torch.arange(t) % 2)).double()
+        rollout = (old_logprobs.double() - offsets[:, None] - zigzag[None, :]).float()
+
     def dev(x):
         return None if x is None else x.to(spec.device)
 
     return Problem(
         spec=spec, logits_base=dev(logits_base), view=view, target_ids=dev(target_ids),
         old_logprobs=dev(old_logprobs), advantages=dev(advantages), mask=dev(mask), ref_logprobs=dev(ref),
+        rollout_logprobs=dev(rollout),
     )

@@ -12,9 +12,6 @@ import torch
 
 from .config import GSPOConfig
 
-MAX_LOG_RATIO = 20.0
-
-
 def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response):
     rows = logits.double().reshape(-1, logits.shape[-1])
     # Rows outside the response keep their values (reported in the metrics) but pass no
@@ -52,67 +49,138 @@ def _kl(logp, ref_logp, estimator):
     return torch.exp(log_ratio) - 1 - log_ratio  # k3
 
 
-def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None,
-              level="sequence", eps_low=3e-4, eps_high=4e-4, temperature=1.0,
-              loss_agg="seq-mean-token-mean", normalizer=None, max_len=None, ref_logprobs=None,
-              beta=0.0, kl_estimator="k3", entropy_coef=0.0, backend="auto", inplace=False):
+def _clamp(x, bounds):
+    low, high = bounds
+    return x if low is None and high is None else x.clamp(min=low, max=high)
+
+
+def _policy_terms(cfg, lp, log_ratio, ratio, a):
+    """(per-token term, clipped low, clipped high) of one sequence, spelled out per objective."""
+    lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+    r = ratio.detach()
+    if cfg.objective == "clip":
+        capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+        term = -torch.minimum(capped * a, ratio.clamp(lo, hi) * a)
+        if cfg.clip_ratio_c is not None:  # dual clip: a negative-advantage term is at most -c A
+            term = torch.where(a < 0, torch.minimum(term, -cfg.clip_ratio_c * a), term)
+        return term, (r < lo) & (a < 0), (r > hi) & (a > 0)
+    if cfg.objective == "cispo":
+        return -r.clamp(lo, hi) * a * lp, r < lo, r > hi
+    if cfg.objective == "sapo":
+        tau = torch.tensor([cfg.sapo_tau_pos if x > 0 else cfg.sapo_tau_neg for x in a.tolist()], dtype=a.dtype)
+        no = torch.zeros(len(a), dtype=torch.bool)
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a, no, no
+    # gmpo: per-token log-ratios clipped on the pessimistic side of sign(A), geometric mean.
+    clipped_lr = log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+    sign = torch.sign(a)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
+    if len(lp) == 0:
+        return lp * 0, torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool)
+    seq_ratio = torch.exp(_clamp(pessimistic.mean(), cfg.log_ratio_clamp))
+    term = (-a.mean() * seq_ratio).expand(len(lp))
+    changed = log_ratio.detach() != clipped_lr.detach()
+    return term, changed & (a < 0), changed & (a > 0)
+
+
+def _rollout_weights(cfg, old_lp, rollout_lp):
+    """Importance weights pi_old / pi_rollout of one sequence, and which were rejected."""
+    diff = torch.nan_to_num(old_lp.detach() - rollout_lp, nan=0.0)
+    if cfg.rollout_correction.startswith("sequence"):
+        diff = (diff.mean() if len(diff) else diff.sum()).expand(len(diff))
+    w = torch.exp(diff)
+    low = 0.0 if cfg.rollout_is_min is None else cfg.rollout_is_min
+    high = float("inf") if cfg.rollout_is_max is None else cfg.rollout_is_max
+    if cfg.rollout_correction.endswith("truncate"):
+        return w.clamp(low, high), torch.zeros(len(w), dtype=torch.bool)
+    rejected = (w < low) | (w > high)
+    return torch.where(rejected, torch.zeros_like(w), w), rejected
+
+
+def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None, ref_logprobs=None,
+              rollout_logprobs=None, normalizer=None, entropy_threshold=None, config=None, **options):
     """Same signature and meaning as gspo_kernels.gspo_loss; backend and inplace are ignored.
 
     Returns a float64 loss (differentiable w.r.t. logits) and float64 metrics.
     """
-    cfg = GSPOConfig(level=level, eps_low=eps_low, eps_high=eps_high, temperature=temperature,
-                     loss_agg=loss_agg, max_len=max_len, beta=beta, kl_estimator=kl_estimator,
-                     entropy_coef=entropy_coef)
+    cfg = config if config is not None else GSPOConfig(**options)
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
     logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response)
-    old = None if old_logprobs is None else old_logprobs.reshape(-1).double()
-    ref = None if ref_logprobs is None else ref_logprobs.reshape(-1).double()
+
+    def per_token(t):
+        return None if t is None else t.reshape(-1).double()
+
+    old, ref, rollout = per_token(old_logprobs), per_token(ref_logprobs), per_token(rollout_logprobs)
     sequences = _sequences(logits, cu_seqlens)
     adv = advantages.double()
     adv_per_token = adv.shape != (len(sequences),)
     if adv_per_token:
         adv = adv.reshape(-1)
+    # Top-entropy selection: the quantile of every response token's entropy in this call.
+    threshold = None
+    if cfg.top_entropy_quantile < 1.0:
+        threshold = (torch.quantile(entropy.detach()[in_response], 1 - cfg.top_entropy_quantile)
+                     if entropy_threshold is None else torch.as_tensor(entropy_threshold, dtype=torch.float64))
 
     seq_terms, seq_ratios = [], []
-    ratios, advs, kls, entropies = [], [], [], []
+    low_flags, high_flags, kls, entropies = [], [], [], []
+    weights_all, rejected_all, kept_entropy, kept_on_policy = [], [], [], []
     for i, rows in enumerate(sequences):
         idx = torch.tensor([r for r in rows if in_response[r]], dtype=torch.long, device=logp.device)
         lp = logp[idx]
         old_lp = lp.detach() if old is None else old[idx]
+        log_ratio = lp - old_lp
         # s_i: the exponentiated mean log-ratio over the response (1 for an empty response).
-        # Log-ratios are clamped to [-20, 20] before exp, so no ratio overflows.
-        mean_log_ratio = (lp - old_lp).mean() if len(idx) else torch.zeros((), dtype=torch.float64, device=logp.device)
-        s_i = torch.exp(mean_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        # Log-ratios are clamped (default [-20, 20]) before exp, so no ratio overflows.
+        mean_log_ratio = log_ratio.mean() if len(idx) else torch.zeros((), dtype=torch.float64, device=logp.device)
+        s_i = torch.exp(_clamp(mean_log_ratio, cfg.log_ratio_clamp))
         if cfg.level == "sequence":
             ratio = s_i.expand(len(idx))
         elif cfg.level == "sequence_token":
             # value s_i, d ratio / d lp = s_i; a -inf lp would give -inf - -inf, so it gets 0.
             unit = torch.where(torch.isfinite(lp), lp - lp.detach(), torch.zeros_like(lp))
-            ratio = s_i.detach() * torch.exp(unit)
+            ratio = torch.exp(_clamp(mean_log_ratio.detach() + unit, cfg.log_ratio_clamp))
         else:
-            ratio = torch.exp((lp - old_lp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+            ratio = torch.exp(_clamp(log_ratio, cfg.log_ratio_clamp))
         a = adv[idx] if adv_per_token else adv[i].expand(len(idx))
-        clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-        term = -torch.minimum(ratio * a, clipped * a)
+        term, low, high = _policy_terms(cfg, lp, log_ratio, ratio, a)
+        if cfg.rollout_correction is not None:
+            w, rejected = _rollout_weights(cfg, old_lp, rollout[idx])
+            term = term * w
+            weights_all.append(w)
+            rejected_all.append(rejected)
+        if threshold is not None:
+            keep = entropy[idx].detach() >= threshold
+            term = torch.where(keep, term, torch.zeros_like(term))
+            kept_entropy.append(keep)
+        if cfg.off_policy_mask_threshold is not None:
+            behaviour = old_lp if rollout is None else rollout[idx]
+            gap = torch.nan_to_num(behaviour - lp.detach(), nan=0.0)
+            far = (gap.mean() if len(idx) else gap.sum()) > cfg.off_policy_mask_threshold
+            keep = ~((a < 0) & far)
+            term = torch.where(keep, term, torch.zeros_like(term))
+            kept_on_policy.append(keep)
         if ref is not None:
             kl = _kl(lp, ref[idx], cfg.kl_estimator)
+            if cfg.kl_clamp is not None:
+                kl = kl.clamp(-cfg.kl_clamp, cfg.kl_clamp)
             if cfg.beta > 0:  # beta = 0: KL is a metric only; an infinite one leaves the loss alone
-                term = term + cfg.beta * kl
+                term = term + cfg.beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
             kls.append(kl)
         term = term - cfg.entropy_coef * entropy[idx]
         seq_terms.append(term)
         seq_ratios.append(s_i)
-        ratios.append(ratio)
-        advs.append(a)
+        low_flags.append(low)
+        high_flags.append(high)
         entropies.append(entropy[idx])
 
     nonempty = [t for t in seq_terms if len(t)]
     n_tokens = sum(len(t) for t in seq_terms)
     norm = float(normalizer) if normalizer is not None else None
-    if cfg.loss_agg == "token-mean":
-        total = sum(t.sum() for t in nonempty) if nonempty else torch.zeros((), dtype=torch.float64, device=logp.device)
-        loss = total / (norm or max(n_tokens, 1))
+    zero = torch.zeros((), dtype=torch.float64, device=logp.device)
+    if cfg.loss_agg in ("token-mean", "token-sum"):
+        total = sum(t.sum() for t in nonempty) if nonempty else zero
+        loss = total / (norm or (max(n_tokens, 1) if cfg.loss_agg == "token-mean" else 1.0))
     else:
         if cfg.loss_agg == "seq-mean-token-mean":
             per_seq = [t.mean() for t in nonempty]
@@ -121,14 +189,16 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
         else:
             horizon = cfg.max_len if cfg.max_len is not None else logits.shape[1]
             per_seq = [t.sum() / horizon for t in nonempty]
-        total = sum(per_seq) if per_seq else torch.zeros((), dtype=torch.float64, device=logp.device)
+        total = sum(per_seq) if per_seq else zero
         loss = total / (norm or max(len(nonempty), 1))
 
-    ratio = torch.cat(ratios).detach()
-    a = torch.cat(advs)
-    low = (ratio < 1 - cfg.eps_low) & (a < 0)
-    high = (ratio > 1 + cfg.eps_high) & (a > 0)
     denom = max(n_tokens, 1)
+    low, high = torch.cat(low_flags), torch.cat(high_flags)
+
+    def seq_share(flags):
+        shares = [f.double().mean() for f in flags if len(f)]
+        return sum(shares) / max(len(shares), 1) if shares else zero
+
     metrics = {
         "token_logprobs": logp.detach().reshape(target_ids.shape),
         "entropy": entropy.detach().reshape(target_ids.shape),
@@ -136,8 +206,19 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
         "clip_frac": (low | high).sum().double() / denom,
         "clip_frac_low": low.sum().double() / denom,
         "clip_frac_high": high.sum().double() / denom,
+        "seq_clip_frac_low": torch.as_tensor(seq_share(low_flags), dtype=torch.float64),
+        "seq_clip_frac_high": torch.as_tensor(seq_share(high_flags), dtype=torch.float64),
         "entropy_mean": torch.cat(entropies).detach().sum() / denom,
     }
     if ref is not None:
         metrics["kl"] = torch.cat(kls).detach().sum() / denom
+    if weights_all:
+        w = torch.cat(weights_all).detach()
+        metrics["rollout_is_mean"] = w.sum() / denom
+        metrics["rollout_is_max"] = w.max() if len(w) else zero
+        metrics["rollout_masked_frac"] = torch.cat(rejected_all).sum().double() / denom
+    if kept_entropy:
+        metrics["entropy_kept_frac"] = torch.cat(kept_entropy).sum().double() / denom
+    if kept_on_policy:
+        metrics["off_policy_masked_frac"] = (~torch.cat(kept_on_policy)).sum().double() / denom
     return loss, metrics

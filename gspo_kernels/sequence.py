@@ -2,15 +2,19 @@
 
 Plain differentiable PyTorch: autograd turns the loss into dLoss/dlogp and dLoss/dH per row,
 which the token-stats Function hands to the gradient kernel. No host syncs and no
-data-dependent Python branches, so it traces under torch.compile(fullgraph=True).
+data-dependent Python branches, so it traces under torch.compile(fullgraph=True). The policy
+term of each objective lives in objectives.py, the weights and selections that scale it in
+corrections.py; this module wires them together and aggregates.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import corrections
 from .config import GSPOConfig
 from .inputs import LossBatch
+from .objectives import PolicyInputs, policy_term
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -23,26 +27,33 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     return torch.expm1(log_ratio) - log_ratio
 
 
-# Log-ratios are clamped before exp (as verl does): a stale or wrong old log-prob then cannot
-# overflow the ratio to inf, where inf * (A = 0) would turn the whole loss into NaN.
-MAX_LOG_RATIO = 20.0
+def log_ratio_clamp(config: GSPOConfig):
+    """The configured clamp of a log-ratio before exp (config.log_ratio_clamp, default
+    [-20, 20]): a stale or wrong old log-prob then cannot overflow a ratio to inf, where
+    inf * (A = 0) would turn the whole loss into NaN; values inside are untouched."""
+    low, high = config.log_ratio_clamp
+    if low is None and high is None:
+        return lambda x: x
+    return lambda x: x.clamp(min=low, max=high)
 
 
-def _importance_ratio(config: GSPOConfig, batch: LossBatch, logp, log_ratio, seq_ratio):
+def _importance_ratio(config: GSPOConfig, batch: LossBatch, logp, log_ratio, seq_log_ratio, clamp):
     seg = batch.segments
     if config.level == "sequence":
-        return seg.per_row(seq_ratio)
+        return seg.per_row(torch.exp(clamp(seq_log_ratio)))
     if config.level == "sequence_token":
         # Value s_i, gradient of exp(logp_t): each token carries its own advantage's weight.
-        # (A -inf log-prob would make logp - sg[logp] NaN; its ratio is s_i, its gradient 0.)
+        # The combined log-ratio is clamped, as verl does. (A -inf log-prob would make
+        # logp - sg[logp] NaN; its ratio is s_i, its gradient 0.)
         unit = torch.where(torch.isfinite(logp), logp - logp.detach(), torch.zeros_like(logp))
-        return seg.per_row(seq_ratio.detach()) * torch.exp(unit)
-    return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        return torch.exp(clamp(seg.per_row(seq_log_ratio.detach()) + unit))
+    return torch.exp(clamp(log_ratio))
 
 
 def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, mask_f, tokens_per_seq):
-    if config.loss_agg == "token-mean":
-        denom = batch.normalizer if batch.normalizer is not None else mask_f.sum().clamp(min=1)
+    if config.loss_agg in ("token-mean", "token-sum"):
+        count = mask_f.sum().clamp(min=1) if config.loss_agg == "token-mean" else 1.0
+        denom = batch.normalizer if batch.normalizer is not None else count
         return per_token.sum() / denom
     per_seq = batch.segments.seq_sum(per_token)
     if config.loss_agg == "seq-mean-token-mean":
@@ -70,42 +81,79 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
     entropy_r = response_only(entropy)
     old = logp_r.detach() if batch.old_logprobs is None else response_only(batch.old_logprobs)
     log_ratio = logp_r - old
+    clamp = log_ratio_clamp(config)
 
     seg = batch.segments
     tokens_per_seq = seg.seq_sum(mask_f)
     seq_log_ratio = seg.seq_sum(log_ratio) / tokens_per_seq.clamp(min=1)
-    seq_ratio = torch.exp(seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    ratio = _importance_ratio(config, batch, logp_r, log_ratio, seq_ratio)
-
+    ratio = _importance_ratio(config, batch, logp_r, log_ratio, seq_log_ratio, clamp)
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
-    lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+
+    term = policy_term(config, PolicyInputs(logp_r, log_ratio, ratio, adv, mask, seg, tokens_per_seq, clamp))
+    policy, extra = term.per_token, {}
+    if config.rollout_correction is not None:
+        weights, rejected = corrections.rollout_weights(config, seg, mask, tokens_per_seq, old,
+                                                        response_only(batch.rollout_logprobs))
+        policy = policy * weights
+        extra.update(_rollout_metrics(weights, rejected, mask_f))
+    if config.top_entropy_quantile < 1.0:
+        kept = corrections.high_entropy_tokens(config, entropy_r, mask, batch.entropy_threshold)
+        policy = torch.where(kept, policy, zero)
+        extra["entropy_kept_frac"] = (kept.to(dtype).sum() / mask_f.sum().clamp(min=1)).detach().float()
+    if config.off_policy_mask_threshold is not None:
+        behaviour = old if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
+        kept = corrections.on_policy_sequences(config, seg, mask, tokens_per_seq, logp_r, behaviour, adv)
+        policy = torch.where(kept, policy, zero)
+        extra["off_policy_masked_frac"] = ((mask & ~kept).to(dtype).sum() / mask_f.sum().clamp(min=1)).detach().float()
+    per_token = policy
 
     kl = None
     if batch.ref_logprobs is not None:
         kl = response_only(kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator))
+        if config.kl_clamp is not None:
+            kl = kl.clamp(-config.kl_clamp, config.kl_clamp)
         if config.beta > 0:
-            per_token = per_token + config.beta * kl
+            # TRL's bias correction weights the KL by the (differentiable) importance ratio.
+            per_token = per_token + config.beta * (kl * ratio if config.use_bias_correction_kl else kl)
     if config.entropy_coef != 0.0:
         per_token = per_token - config.entropy_coef * entropy_r
     per_token = response_only(per_token)
 
     loss = _aggregate(config, batch, per_token, mask_f, tokens_per_seq)
-    metrics = _metrics(config, batch, logp, entropy, entropy_r, ratio, adv, seq_ratio, kl, mask_f)
+    metrics = _metrics(batch, logp, entropy, entropy_r, term, torch.exp(clamp(seq_log_ratio)), kl, mask_f,
+                       tokens_per_seq)
+    metrics.update(extra)
     return loss, metrics
 
 
 @torch.no_grad()
-def _metrics(config, batch, logp, entropy, entropy_r, ratio, adv, seq_ratio, kl, mask_f):
-    mask = batch.mask
+def _rollout_metrics(weights, rejected, mask_f):
     n_tokens = mask_f.sum().clamp(min=1)
-    ratio = ratio.detach()
-    low = mask & (ratio < 1.0 - config.eps_low) & (adv < 0)
-    high = mask & (ratio > 1.0 + config.eps_high) & (adv > 0)
+    in_response = mask_f > 0
+    return {
+        "rollout_is_mean": ((weights * mask_f).sum() / n_tokens).float(),
+        "rollout_is_max": torch.where(in_response, weights, torch.zeros_like(weights)).max().float(),
+        "rollout_masked_frac": (rejected.to(mask_f.dtype).sum() / n_tokens).float(),
+    }
+
+
+@torch.no_grad()
+def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, tokens_per_seq):
+    n_tokens = mask_f.sum().clamp(min=1)
+    mask = batch.mask
+    low, high = mask & term.clipped_low, mask & term.clipped_high
+    seg = batch.segments
+    nonempty = tokens_per_seq > 0
+    n_seqs = nonempty.sum().clamp(min=1)
 
     def fraction(flags):
         return (flags.to(mask_f.dtype).sum() / n_tokens).float()
+
+    def per_sequence(flags):
+        # TRL's view: each non-empty sequence's fraction of clipped tokens, averaged over sequences.
+        share = seg.seq_sum(flags.to(mask_f.dtype)) / tokens_per_seq.clamp(min=1)
+        return (torch.where(nonempty, share, torch.zeros_like(share)).sum() / n_seqs).float()
 
     metrics = {
         "token_logprobs": logp.detach().float().reshape(batch.token_shape),
@@ -114,6 +162,8 @@ def _metrics(config, batch, logp, entropy, entropy_r, ratio, adv, seq_ratio, kl,
         "clip_frac": fraction(low | high),
         "clip_frac_low": fraction(low),
         "clip_frac_high": fraction(high),
+        "seq_clip_frac_low": per_sequence(low),
+        "seq_clip_frac_high": per_sequence(high),
         "entropy_mean": (entropy_r.detach().sum() / n_tokens).float(),
     }
     if kl is not None:

@@ -10,18 +10,24 @@ from conftest import device_for
 
 
 CASES = [("torch", False), ("torch", True), ("triton", False), ("triton", True), ("cpu", False)]
+GSPO_TOKEN = dict(level="sequence_token", beta=0.05, entropy_coef=0.01)
+# The stage-2 family in one graph: sync-free quantile, rollout weights, off-policy mask.
+FAMILY = dict(objective="sapo", level="token", beta=0.05, use_bias_correction_kl=True,
+              rollout_correction="sequence-mask", rollout_is_min=0.4, top_entropy_quantile=0.5,
+              off_policy_mask_threshold=0.5, loss_agg="token-sum")
 
 
+@pytest.mark.parametrize("family", [False, True], ids=["gspo_token", "family"])
 @pytest.mark.parametrize("backend, packed", CASES, ids=[f"{b}-{'packed' if p else 'padded'}" for b, p in CASES])
-def test_compiled_loss_matches_eager(backend, packed, seed):
+def test_compiled_loss_matches_eager(backend, packed, family, seed):
     if backend == "triton" and gk.backends.triton_backend is None:
         pytest.skip("triton not installed")
     if backend == "cpu" and not gk.backends.native_available():
         pytest.skip("extension gspo_kernels._C not built")
-    problem = make_problem(ProblemSpec(seed=seed, device=device_for(backend), with_ref=True))
+    problem = make_problem(ProblemSpec(seed=seed, device=device_for(backend), with_ref=True, with_rollout=family))
     if packed:
         problem = problem.to_packed()
-    options = dict(level="sequence_token", beta=0.05, entropy_coef=0.01, backend=backend)
+    options = dict(FAMILY if family else GSPO_TOKEN, backend=backend)
     torch._dynamo.reset()
 
     @torch.compile(fullgraph=True)

@@ -1,0 +1,60 @@
+"""What scales or selects the policy term before aggregation, all detached and sync-free:
+importance weights from the sampler's log-probs (rollout correction), top-entropy token
+selection, and off-policy sequence masking."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import GSPOConfig
+from .segments import Segments
+
+
+def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, old, rollout):
+    """Per-token weights w = pi_old / pi_rollout (detached), truncated into [min, max] or set
+    to 0 outside it (mask modes). Sequence modes use the geometric mean over the response,
+    exp(mean_t (old_t - rollout_t)), on every token of the sequence. A NaN rollout log-prob
+    (a token the sampler could not score) counts as no correction, as TRL does."""
+    diff = torch.where(mask, torch.nan_to_num(old.detach() - rollout, nan=0.0), torch.zeros_like(old))
+    if cfg.rollout_correction.startswith("sequence"):
+        diff = seg.per_row(seg.seq_sum(diff) / tokens_per_seq.clamp(min=1))
+    weights = torch.exp(diff)
+    low = 0.0 if cfg.rollout_is_min is None else cfg.rollout_is_min
+    high = float("inf") if cfg.rollout_is_max is None else cfg.rollout_is_max
+    if cfg.rollout_correction.endswith("truncate"):
+        return weights.clamp(low, high), torch.zeros_like(mask)
+    outside = mask & ((weights < low) | (weights > high))
+    return torch.where(outside, torch.zeros_like(weights), weights), outside
+
+
+def quantile_of_masked(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(values[mask], q) (linear interpolation), without the host sync that
+    boolean indexing costs: masked-out entries sort to the end and the rank is a tensor."""
+    if values.numel() == 0:
+        return values.new_full((), float("inf"))
+    ordered = torch.sort(torch.where(mask, values, torch.full_like(values, float("inf")))).values
+    count = mask.sum().to(values.dtype)
+    rank = (count - 1).clamp(min=0) * q
+    below = rank.floor()
+    # gather with index tensors: indexing by a 0-d tensor would read it on the host.
+    lo = ordered.gather(0, below.long().reshape(1)).squeeze(0)
+    hi = ordered.gather(0, rank.ceil().long().reshape(1)).squeeze(0)
+    return lo + (hi - lo) * (rank - below)
+
+
+def high_entropy_tokens(cfg: GSPOConfig, entropy, mask, threshold=None):
+    """Tokens whose entropy is at or above the (1 - top_entropy_quantile) quantile of the
+    response tokens' entropies: this call's tokens, unless `threshold` (a 0-d tensor, e.g. the
+    quantile over every rank's tokens) is given."""
+    if threshold is None:
+        threshold = quantile_of_masked(entropy.detach(), mask, 1.0 - cfg.top_entropy_quantile)
+    return mask & (entropy.detach() >= threshold)
+
+
+def on_policy_sequences(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, logp, behaviour, adv):
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a token is
+    kept unless its advantage is negative and its sequence's mean of behaviour - logp (a KL
+    estimate of how far the sampler was from the current policy) exceeds the threshold."""
+    gap = torch.where(mask, torch.nan_to_num(behaviour - logp.detach(), nan=0.0), torch.zeros_like(logp))
+    seq_gap = seg.per_row(seg.seq_sum(gap) / tokens_per_seq.clamp(min=1))
+    return (adv >= 0) | (seq_gap <= cfg.off_policy_mask_threshold)

@@ -1,0 +1,89 @@
+"""The policy term of each objective, per token: one small function each, one table.
+
+Every function takes the same PolicyInputs (per-row `[N]` tensors, zero outside the response)
+and returns a PolicyTerm: the per-token loss term (to be minimised, before any weighting or
+aggregation) and the per-token flags that the clip metrics count. Formulas and sources are in
+the README's table "Objectives and corrections".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import GSPOConfig
+from .segments import Segments
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    logp: torch.Tensor  # current log-probs, autograd-connected
+    log_ratio: torch.Tensor  # logp - old, per token (unclamped)
+    ratio: torch.Tensor  # the level's importance ratio per token (s_i, s_i,t or r_t)
+    adv: torch.Tensor  # advantage per token
+    mask: torch.Tensor  # bool response mask
+    segments: Segments
+    tokens_per_seq: torch.Tensor  # [S], float
+    clamp_log_ratio: object  # callable: the configured log-ratio clamp
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    per_token: torch.Tensor
+    clipped_low: torch.Tensor  # bool, counted by clip_frac_low
+    clipped_high: torch.Tensor  # bool, counted by clip_frac_high
+
+
+def _clip(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+    """PPO/GSPO clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A), with TRL's two-sided cap
+    (`delta` bounds the unclipped r) and verl's dual clip (`clip_ratio_c`: at most -c A for A < 0)."""
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    unclipped = x.ratio if cfg.delta is None else x.ratio.clamp(max=cfg.delta)
+    term = -torch.minimum(unclipped * x.adv, x.ratio.clamp(lo, hi) * x.adv)
+    if cfg.clip_ratio_c is not None:
+        term = torch.where(x.adv < 0, torch.minimum(term, -cfg.clip_ratio_c * x.adv), term)
+    ratio = x.ratio.detach()
+    return PolicyTerm(term, (ratio < lo) & (x.adv < 0), (ratio > hi) & (x.adv > 0))
+
+
+def _cispo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+    """CISPO (MiniMax-M1): -sg[clip(r, 1-eps_low, 1+eps_high)] A logp, so every token keeps a
+    gradient; verl's form. TRL's (clip(r, max=epsilon_high)) is eps_low = 1 - 1e-9 and
+    1 + eps_high = TRL's epsilon_high. Flags: the weight was clipped, whatever the sign of A."""
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    ratio = x.ratio.detach()
+    return PolicyTerm(-ratio.clamp(lo, hi) * x.adv * x.logp, ratio < lo, ratio > hi)
+
+
+def _sapo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+    """SAPO (Qwen): a soft gate for the hard clip, -sigmoid(tau (r - 1)) (4 / tau) A, with
+    tau = sapo_tau_pos for A > 0 and sapo_tau_neg otherwise (TRL and verl alike). Never clips."""
+    tau = torch.where(x.adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(x.ratio.dtype)
+    term = -torch.sigmoid(tau * (x.ratio - 1.0)) * (4.0 / tau) * x.adv
+    never = torch.zeros_like(x.mask)
+    return PolicyTerm(term, never, never)
+
+
+def _gmpo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+    """GMPO (verl's geo_mean): each token's log-ratio clipped to [-eps_low, eps_high] on the
+    pessimistic side of sign(A), then the sequence's geometric-mean ratio
+    R_i = exp(mean_t clipped log-ratio) and the term -mean_t(A) R_i on each of its tokens.
+    eps_low and eps_high are log-space bounds here (the paper: 0.4)."""
+    seg = x.segments
+    sign = torch.sign(x.adv)
+    clamped = x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+    pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * clamped)
+    length = x.tokens_per_seq.clamp(min=1)
+    seq_ratio = torch.exp(x.clamp_log_ratio(seg.seq_sum(pessimistic) / length))
+    seq_adv = seg.seq_sum(x.adv) / length
+    term = torch.where(x.mask, seg.per_row(-seq_adv * seq_ratio), torch.zeros_like(x.adv))
+    clipped = x.log_ratio.detach() != clamped.detach()
+    return PolicyTerm(term, clipped & (x.adv < 0), clipped & (x.adv > 0))
+
+
+OBJECTIVES = {"clip": _clip, "cispo": _cispo, "sapo": _sapo, "gmpo": _gmpo}
+
+
+def policy_term(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+    return OBJECTIVES[cfg.objective](cfg, x)
