@@ -54,8 +54,12 @@ struct RowResult {
   float entropy;
 
   // log p of a (temperature-scaled) logit: (z - max) - log(sum) rather than z - lse, so large
-  // logits lose nothing to the rounding of lse.
-  GSPO_HD float logprob(float z) const { return (z - max) - log_sum; }
+  // logits lose nothing to the rounding of lse. z rounded differently from the max (an fma
+  // against a rounded product) could put it a rounding above 0; a NaN stays NaN.
+  GSPO_HD float logprob(float z) const {
+    const float lp = (z - max) - log_sum;
+    return lp > 0.f ? 0.f : lp;
+  }
 };
 
 GSPO_HD RowResult finish_stats(const SoftmaxStats& st) {

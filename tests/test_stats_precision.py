@@ -46,3 +46,51 @@ def test_non_finite_logit_anywhere_makes_the_row_nan(backend, where, value, seed
     assert torch.isnan(leaf.grad[1]).all()
     assert torch.isfinite(logp[[0, 2]]).all() and torch.isfinite(entropy[[0, 2]]).all()
     assert torch.isfinite(leaf.grad[[0, 2]]).all()
+
+
+def _float64_stats(x, targets, temperature=1.0):
+    log_probs = torch.log_softmax(x.double().cpu() / temperature, -1)
+    probs = log_probs.exp()
+    entropy = -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
+    return log_probs.gather(-1, targets.cpu()[:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize(
+    "case", ["leading_minus_inf_block_far_below_zero", "near_constant_row", "single_logit_large_at_T3"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adversarial_rows(backend, case):
+    """Rows a review found wrong on the cpu kernel: an all -inf first block before logits near
+    -200 (the row max became 0 and later blocks underflowed), a row of equal logits with one
+    bump (long per-lane sums), and one huge logit at T = 3 (log-prob a rounding above 0)."""
+    device = device_for(backend)
+    temperature = 1.0
+    if case == "leading_minus_inf_block_far_below_zero":
+        x = torch.randn(2, 8192) - 200
+        x[:, :4096] = float("-inf")
+    elif case == "near_constant_row":
+        x = torch.zeros(2, 4096)
+        x[:, 7] = 5.0
+    else:
+        x, temperature = torch.tensor([[3000.1], [-2999.7]]), 3.0
+    targets = torch.tensor([x.shape[1] - 1, max(x.shape[1] - 4089, 0)])  # the bump (7) where there is one
+    logp, entropy = gk.selective_log_softmax(x.to(device), targets.to(device), temperature=temperature,
+                                             return_entropy=True, backend=backend)
+    ref_logp, ref_entropy = _float64_stats(x, targets, temperature)
+    assert (logp.cpu() <= 0).all()
+    assert (logp.double().cpu() - ref_logp).abs().max() <= STATS_LIMIT
+    assert (entropy.double().cpu() - ref_entropy).abs().max() <= STATS_LIMIT
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_upstream_gradient_is_not_hidden_at_banned_tokens(backend, with_entropy):
+    """A NaN upstream gradient (a NaN loss) makes the whole row NaN, -inf logits included."""
+    device = device_for(backend)
+    x = torch.randn(1, 8, device=device)
+    x[0, :4] = float("-inf")
+    leaf = x.clone().requires_grad_()
+    logp, entropy = gk.selective_log_softmax(leaf, torch.tensor([5], device=device), return_entropy=True,
+                                             backend=backend)
+    upstream = logp * float("nan") + (entropy * float("nan") if with_entropy else 0)
+    upstream.sum().backward()
+    assert torch.isnan(leaf.grad).all()

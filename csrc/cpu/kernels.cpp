@@ -28,6 +28,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 4096;
+constexpr int64_t kChunk = 512;  // logits per partial sum inside a block (a multiple of every kStep)
 
 // On the functions whose loops run per logit: every call inside them is inlined. Without it,
 // GCC's unit-wide inlining budget decides whether at::vec's exp_u20 is inlined, and a change
@@ -127,13 +128,23 @@ GSPO_HOT_LOOP SoftmaxStats clamped_sums_at(const scalar_t* src, int64_t n, float
   const int64_t n_vec = n - n % kStep<scalar_t>;
   const Vec vscale(scale), vneg_shift(-shift), vzero(0.f);
   Vec vsum(0.f), vshifted(0.f), vmax(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
-    visit(src + i, [&](const Vec& x) {
-      // A plain max, which may drop a NaN: the NaN reaches `shifted` instead, since clamp_max
-      // and the clamp_min in accumulate_shifted return their first operand when it is NaN.
-      vmax = VecOps::max(vmax, x);
-      accumulate_shifted<VecOps>(at::vec::clamp_max(at::vec::fmadd(x, vscale, vneg_shift), vzero), vsum, vshifted);
-    });
+  for (int64_t start = 0; start < n_vec; start += kChunk) {
+    // Two-level sums: each lane adds at most kChunk / lanes terms in a row, then the chunk's
+    // partial sums join the block's. One long chain per lane let rounding pile up on rows of
+    // near-equal logits (1.8e-5 entropy error on a row of zeros with one bump).
+    Vec chunk_sum(0.f), chunk_shifted(0.f);
+    const int64_t stop = std::min(start + kChunk, n_vec);
+    for (int64_t i = start; i < stop; i += kStep<scalar_t>) {
+      visit(src + i, [&](const Vec& x) {
+        // A plain max, which may drop a NaN: the NaN reaches `shifted` instead, since clamp_max
+        // and the clamp_min in accumulate_shifted return their first operand when it is NaN.
+        vmax = VecOps::max(vmax, x);
+        accumulate_shifted<VecOps>(at::vec::clamp_max(at::vec::fmadd(x, vscale, vneg_shift), vzero), chunk_sum,
+                                   chunk_shifted);
+      });
+    }
+    vsum = vsum + chunk_sum;
+    vshifted = vshifted + chunk_shifted;
   }
   float sum = sum_lanes(vsum), shifted = sum_lanes(vshifted), x_max = max_lanes(vmax);
   for (int64_t i = n_vec; i < n; ++i) {
@@ -202,6 +213,9 @@ SoftmaxStats row_stats(const scalar_t* row, int64_t vocab, float scale) {
     }
     // A NaN or +inf logit: the row has no finite softmax, and all its results are NaN.
     if (!(m < kInf)) return {kNaN, kNaN, kNaN};
+    // An all -inf block adds nothing; merging its {shift 0, 0, 0} would make 0 the row's max
+    // and underflow every later block of logits far below 0.
+    if (m == -kInf) continue;
     if (m > seen_max && seen_max != -kInf) {
       float counted;
       const SoftmaxStats above = above_shift(src, n, scale, seen_max, m, counted);

@@ -83,6 +83,7 @@ def token_stats_kernel(
     z_target = tl.load(row_ptr + tl.where(valid, target, 0), mask=valid, other=0.0)
     # (z_y - m) - log s, not z_y - lse: no rounding of lse when the logits are large.
     logp = tl.where(valid, (z_target.to(tl.float32) * inv_temperature - m) - log_s, float("nan"))
+    logp = tl.where(logp > 0, 0.0, logp)  # a rounding above 0 is impossible for a log-prob; NaN stays
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, log_s - a / s)
     tl.store(lse_ptr + row, lse)
@@ -126,11 +127,13 @@ def logits_grad_kernel(
         log_p = z - lse
         p = tl.exp(log_p)
         if HAS_ENTROPY_GRAD:
-            coef = g + h * (log_p + entropy)
+            # log p clamped where p is 0 anyway (gspo_math.h, kLogFloor): a -inf logit gives
+            # 0 * finite, while a non-finite g or h still makes the row non-finite, as on the
+            # other backends.
+            coef = g + h * (tl.maximum(log_p, -200.0) + entropy)
         else:
             coef = g
-        # p == 0 at a -inf logit, where coef may be -inf: the product's true value is 0.
-        grad = tl.where(p == 0, 0.0, -p * coef) + tl.where(idx == target, g, 0.0)
+        grad = -p * coef + tl.where(idx == target, g, 0.0)
         grad = tl.where(compute, grad * inv_temperature, 0.0)
         grad = tl.where(make_nan, float("nan"), grad)
         tl.store(out_ptr + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < vocab)

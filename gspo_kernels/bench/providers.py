@@ -11,7 +11,8 @@ aggregation, on every row of the batch. Baselines:
     compile    torch.compile of `eager`
     reference  gspo_kernels.reference.gspo_loss: the float64 oracle
     liger      Liger-Kernel's triton_grpo_loss(importance_sampling_level="sequence")
-and this package's backends: torch, triton, cpu, cuda.
+and this package's backends: torch, triton, cpu, cuda; and the stage-2 variants obj_* (FAMILY
+below) on the auto backend, whose time should match plain GSPO's.
 """
 
 from __future__ import annotations
@@ -110,6 +111,35 @@ def _ours(backend: str):
     return _on_logits(loss)
 
 
+# Stage-2 variants on the auto backend (the cpu kernel on a CPU, Triton on a GPU): the same
+# kernels, so their time should stay within a few percent of plain GSPO.
+FAMILY = {
+    "obj_cispo": dict(objective="cispo"),
+    "obj_sapo": dict(objective="sapo"),
+    "obj_gmpo": dict(objective="gmpo", eps_low=0.4, eps_high=0.4),
+    "obj_clip_corrected": dict(rollout_correction="sequence-mask", rollout_is_min=0.5, top_entropy_quantile=0.2,
+                               off_policy_mask_threshold=0.5, delta=2.0),
+}
+
+
+def _family(options):
+    def build(p: BenchProblem) -> Step:
+        leaf = p.logits.detach().requires_grad_()
+        # Sampler log-probs a little off the old ones, so the corrections have work to do.
+        rollout = p.old_logprobs - 0.05 * torch.cos(torch.arange(p.old_logprobs.numel(), device=leaf.device)
+                                                    ).reshape(p.old_logprobs.shape)
+        extra = {"rollout_logprobs": rollout} if "rollout_correction" in options else {}
+
+        def loss():
+            value, _ = gspo_loss(leaf, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, **extra,
+                                 **{"eps_low": EPS_LOW, "eps_high": EPS_HIGH, **options})
+            return value
+
+        return Step(leaf, loss)
+
+    return build
+
+
 def _ours_available(backend: str):
     def available(device: str) -> str | None:
         if backend == "triton":
@@ -169,5 +199,6 @@ PROVIDERS = {
         Provider("cpu", _ours("cpu"), _ours_available("cpu"), ours=True),
         Provider("cuda", _ours("cuda"), _ours_available("cuda"), ours=True),
     ]
+    + [Provider(name, _family(options), _always, ours=True) for name, options in FAMILY.items()]
 }
 BASELINE = "eager"
