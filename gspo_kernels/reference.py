@@ -40,13 +40,17 @@ def _sequences(logits, cu_seqlens):
     return [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
-def _kl(logp, ref_logp, estimator):
+def _kl(logp, ref_logp, estimator, clamp=None):
     log_ratio = ref_logp - logp  # log(pi_ref / pi)
     if estimator == "k1":
-        return logp - ref_logp
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    return torch.exp(log_ratio) - 1 - log_ratio  # k3
+        kl = logp - ref_logp
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    else:
+        if clamp is not None:  # verl: the log-ratio inside k3's exp is clamped first
+            log_ratio = log_ratio.clamp(-20, 20)
+        kl = torch.exp(log_ratio) - 1 - log_ratio  # k3
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def _clamp(x, bounds):
@@ -161,9 +165,7 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
             term = torch.where(keep, term, torch.zeros_like(term))
             kept_on_policy.append(keep)
         if ref is not None:
-            kl = _kl(lp, ref[idx], cfg.kl_estimator)
-            if cfg.kl_clamp is not None:
-                kl = kl.clamp(-cfg.kl_clamp, cfg.kl_clamp)
+            kl = _kl(lp, ref[idx], cfg.kl_estimator, cfg.kl_clamp)
             if cfg.beta > 0:  # beta = 0: KL is a metric only; an infinite one leaves the loss alone
                 term = term + cfg.beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
             kls.append(kl)

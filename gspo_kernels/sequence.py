@@ -17,14 +17,21 @@ from .inputs import LossBatch
 from .objectives import PolicyInputs, policy_term
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float | None = None):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3).
+
+    With `clamp` (verl's k3 habit, applied to every estimator): the log-ratio is clamped to
+    [-20, 20] before k3's exp, and the estimate to [-clamp, clamp]."""
     log_ratio = ref_logp - logp
     if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    return torch.expm1(log_ratio) - log_ratio
+        kl = -log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio.square()
+    else:
+        if clamp is not None:
+            log_ratio = log_ratio.clamp(-20.0, 20.0)
+        kl = torch.expm1(log_ratio) - log_ratio
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def log_ratio_clamp(config: GSPOConfig):
@@ -110,9 +117,7 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
 
     kl = None
     if batch.ref_logprobs is not None:
-        kl = response_only(kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator))
-        if config.kl_clamp is not None:
-            kl = kl.clamp(-config.kl_clamp, config.kl_clamp)
+        kl = response_only(kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator, config.kl_clamp))
         if config.beta > 0:
             # TRL's bias correction weights the KL by the (differentiable) importance ratio.
             per_token = per_token + config.beta * (kl * ratio if config.use_bias_correction_kl else kl)
