@@ -9,6 +9,7 @@ LEVELS = ("sequence", "sequence_token", "token")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")
 ROLLOUT_CORRECTIONS = (None, "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
+ROLLOUT_SEQUENCE_WEIGHTS = ("geometric-mean", "product")
 # Levels each objective is defined at. CISPO's ratio is a detached weight, so "sequence_token"
 # (value s_i, gradient through each token) would be "sequence" again; GMPO is a geometric mean
 # over the sequence by definition.
@@ -77,7 +78,8 @@ class GSPOConfig:
     sapo_tau_neg: float = 1.05
     rollout_correction: str | None = None  # how rollout_logprobs correct the policy term
     rollout_is_min: float | None = None
-    rollout_is_max: float | None = 2.0
+    rollout_is_max: float | None = 2.0  # verl's default threshold (TRL's: 3.0)
+    rollout_sequence_weight: str = "geometric-mean"  # or "product", as TRL and verl
     top_entropy_quantile: float = 1.0  # keep tokens whose entropy is in the top fraction
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences this far off-policy
     use_bias_correction_kl: bool = False  # KL term times the importance ratio (TRL)
@@ -130,9 +132,15 @@ class GSPOConfig:
             raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {self.top_entropy_quantile}")
+        _choice("rollout_sequence_weight", self.rollout_sequence_weight, ROLLOUT_SEQUENCE_WEIGHTS)
         low, high = self.rollout_is_min, self.rollout_is_max
         if self.rollout_correction is not None and low is None and high is None:
             raise ValueError("rollout_correction needs rollout_is_max and/or rollout_is_min")
+        # Options that would be read by nothing: refused rather than silently ignored.
+        if self.rollout_correction is None and low is not None:
+            raise ValueError("rollout_is_min bounds the rollout_correction weights; set rollout_correction")
+        if self.objective != "sapo" and (self.sapo_tau_pos, self.sapo_tau_neg) != (1.0, 1.05):
+            raise ValueError("sapo_tau_pos and sapo_tau_neg shape objective='sapo' only")
         if (low is not None and low < 0) or (high is not None and high <= 0) or (
                 low is not None and high is not None and low >= high):
             raise ValueError(f"need 0 <= rollout_is_min < rollout_is_max; got {low}, {high}")

@@ -12,12 +12,16 @@ from .segments import Segments
 
 def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, old, rollout):
     """Per-token weights w = pi_old / pi_rollout (detached), truncated into [min, max] or set
-    to 0 outside it (mask modes). Sequence modes use the geometric mean over the response,
-    exp(mean_t (old_t - rollout_t)), on every token of the sequence. A NaN rollout log-prob
-    (a token the sampler could not score) counts as no correction, as TRL does."""
+    to 0 outside it (mask modes). Sequence modes put one weight on every token of a sequence:
+    the geometric mean exp(mean_t (old_t - rollout_t)), or with rollout_sequence_weight=
+    "product" the whole sequence's ratio exp(sum_t ...), as TRL and verl do. A NaN rollout
+    log-prob (a token the sampler could not score) counts as no correction, as TRL does."""
     diff = torch.where(mask, torch.nan_to_num(old.detach() - rollout, nan=0.0), torch.zeros_like(old))
     if cfg.rollout_correction.startswith("sequence"):
-        diff = seg.per_row(seg.seq_sum(diff) / tokens_per_seq.clamp(min=1))
+        total = seg.seq_sum(diff)
+        if cfg.rollout_sequence_weight == "geometric-mean":
+            total = total / tokens_per_seq.clamp(min=1)
+        diff = seg.per_row(total)
     weights = torch.exp(diff)
     low = 0.0 if cfg.rollout_is_min is None else cfg.rollout_is_min
     high = float("inf") if cfg.rollout_is_max is None else cfg.rollout_is_max

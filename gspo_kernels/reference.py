@@ -90,7 +90,8 @@ def _rollout_weights(cfg, old_lp, rollout_lp):
     """Importance weights pi_old / pi_rollout of one sequence, and which were rejected."""
     diff = torch.nan_to_num(old_lp.detach() - rollout_lp, nan=0.0)
     if cfg.rollout_correction.startswith("sequence"):
-        diff = (diff.mean() if len(diff) else diff.sum()).expand(len(diff))
+        per_sequence = diff.mean() if cfg.rollout_sequence_weight == "geometric-mean" and len(diff) else diff.sum()
+        diff = per_sequence.expand(len(diff))
     w = torch.exp(diff)
     low = 0.0 if cfg.rollout_is_min is None else cfg.rollout_is_min
     high = float("inf") if cfg.rollout_is_max is None else cfg.rollout_is_max

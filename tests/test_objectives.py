@@ -51,12 +51,18 @@ def test_objective_matches_reference(backend, objective, level, loss_agg, dtype,
     assert result.passed, result.failures()
 
 
-@pytest.mark.parametrize("mode", [m for m in ROLLOUT_CORRECTIONS if m])
+# The form of the sequence weight matters in the sequence modes only.
+ROLLOUT_MODES = [(m, "geometric-mean") for m in ROLLOUT_CORRECTIONS if m] + [
+    (m, "product") for m in ROLLOUT_CORRECTIONS if m and m.startswith("sequence")]
+
+
+@pytest.mark.parametrize("mode,weight", ROLLOUT_MODES)
 @pytest.mark.parametrize("level", ["sequence", "token"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rollout_correction_modes(backend, mode, level, seed):
-    problem = _problem(backend, seed, packed=False)
-    result = run_case(problem, backend, level=level, rollout_correction=mode, rollout_is_min=0.4, rollout_is_max=2.0)
+def test_rollout_correction_modes(backend, mode, level, weight, seed):
+    problem = _problem(backend, seed, packed=level == "token")
+    result = run_case(problem, backend, level=level, rollout_correction=mode, rollout_is_min=0.4, rollout_is_max=2.0,
+                      rollout_sequence_weight=weight)
     assert result.passed, result.failures()
 
 
@@ -112,6 +118,9 @@ def test_problems_take_every_branch(seed):
         _, m = _ref_metrics(problem, rollout_correction=mode, rollout_is_min=0.4)
         assert m["rollout_is_max"] == 2.0, mode  # some weight truncated at the top
         assert m["rollout_is_mean"] < 2.0
+    _, product = _ref_metrics(problem, rollout_correction="sequence-mask", rollout_is_min=0.4,
+                              rollout_sequence_weight="product")
+    assert 0 < product["rollout_masked_frac"] < 1
     _, m = _ref_metrics(problem, top_entropy_quantile=0.5)
     assert 0 < m["entropy_kept_frac"] < 1
     _, m = _ref_metrics(problem, off_policy_mask_threshold=0.5)
@@ -174,6 +183,10 @@ def test_bad_family_options():
         ({"top_entropy_quantile": 0.0}, ValueError, "top_entropy_quantile must be in"),
         ({"sapo_tau_neg": 0.0}, ValueError, "must be > 0"),
         ({"kl_clamp": -1.0}, ValueError, "kl_clamp must be > 0"),
+        ({"rollout_is_min": 0.5}, ValueError, "set rollout_correction"),
+        ({"sapo_tau_pos": 2.0}, ValueError, "objective='sapo' only"),
+        ({"rollout_correction": "sequence-mask", "rollout_sequence_weight": "sum"}, ValueError,
+         "rollout_sequence_weight must be one of"),
         ({"log_ratio_clamp": (1.0, -1.0)}, ValueError, "low < high"),
         ({"log_ratio_clamp": 20.0}, ValueError, "a \\(low, high\\) pair"),
         ({"use_bias_correction_kl": 1}, TypeError, "must be a bool"),
