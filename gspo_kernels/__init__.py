@@ -3,9 +3,19 @@ plain PyTorch reference."""
 
 from . import reference
 from .config import GSPOConfig
+from .fused_linear import FusedLinearGSPOLoss, fused_linear_gspo_loss, fused_linear_selective_log_softmax
 from .loss import GSPOLoss, gspo_loss
 from .token_stats import selective_log_softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["GSPOConfig", "GSPOLoss", "gspo_loss", "reference", "selective_log_softmax"]
+__all__ = [
+    "FusedLinearGSPOLoss",
+    "GSPOConfig",
+    "GSPOLoss",
+    "fused_linear_gspo_loss",
+    "fused_linear_selective_log_softmax",
+    "gspo_loss",
+    "reference",
+    "selective_log_softmax",
+]

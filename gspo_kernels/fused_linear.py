@@ -1,0 +1,205 @@
+"""The loss from hidden states and the lm_head weight, without the `[N, V]` logits.
+
+Chunked path, every backend: rows are taken `chunk_size` at a time; a chunk's logits
+z = hidden @ weight.T (+ bias) are formed in float32 by one matmul, the backend's stage-1
+kernel reads them, and they are dropped. Backward forms each chunk's logits again, runs the
+stage-3 kernel over them in place (dz), and accumulates `d hidden = dz @ weight`,
+`d weight += dz.T @ hidden` and `d bias += sum dz` in float32, chunk after chunk (no
+atomics: the same inputs give the same bits). Stage 2 is the unchanged `sequence.py`.
+
+Nothing `[N, V]` is kept: what survives forward is the inputs and O(N) statistics. Peak memory
+is one float32 chunk of logits plus the float32 `d weight` accumulator (and, for 16-bit
+inputs, a float32 copy of the weight while a pass runs: CPUs multiply bf16 10-80x slower
+than fp32, so both operands are upcast there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from .backends.grad_inputs import GradInputs
+from .config import BACKENDS, GSPOConfig, check_temperature
+from .inputs import check_logits_and_targets, check_mask, prepare_batch
+from .sequence import gspo_objective
+
+# float32 logits per chunk when chunk_size is None: a budget in bytes, rows = budget / (4 V).
+CHUNK_BUDGET_BYTES = {"cpu": 32 << 20, "cuda": 256 << 20}
+
+
+def default_chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
+    """Rows per chunk for a float32 `[rows, V]` logits buffer within CHUNK_BUDGET_BYTES
+    (32 MiB on a CPU, 256 MiB on a GPU): 256 rows at V = 32768 on a CPU."""
+    budget = CHUNK_BUDGET_BYTES.get(device.type, CHUNK_BUDGET_BYTES["cpu"])
+    return max(1, min(rows, budget // (4 * vocab)))
+
+
+def _as_matmul_dtype(t: torch.Tensor) -> torch.Tensor:
+    # float32 products of 16-bit inputs: exact products, float32 sums (more exact than the
+    # bf16 logits an lm_head usually writes). float64 stays float64 (the gradcheck path).
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+class _Operands:
+    """The weight and bias in the matmul dtype, converted once per pass."""
+
+    def __init__(self, weight, bias):
+        self.weight = _as_matmul_dtype(weight)
+        self.bias = None if bias is None else _as_matmul_dtype(bias)
+
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        h = _as_matmul_dtype(hidden_rows)
+        if self.bias is None:
+            return h @ self.weight.t()
+        return torch.addmm(self.bias, h, self.weight.t())
+
+
+class FusedLinearTokenStats(torch.autograd.Function):
+    """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]`, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_mask, temperature: float, backend_name: str, chunk: int):
+        backend = backends.get(backend_name)
+        inv_t = 1.0 / temperature
+        rows = hidden.shape[0]
+        stats_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logp, entropy, lse = (torch.empty(rows, dtype=stats_dtype, device=hidden.device) for _ in range(3))
+        ops = _Operands(weight, bias)
+        for start in range(0, rows, chunk):
+            part = slice(start, min(start + chunk, rows))
+            logp[part], entropy[part], lse[part] = backend.token_stats(ops.logits(hidden[part]), targets[part], inv_t)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask)
+        ctx.inv_t, ctx.backend_name, ctx.chunk = inv_t, backend_name, chunk
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy, row_mask = ctx.saved_tensors
+        none = (None,) * 5
+        if grad_logp is None and grad_entropy is None:
+            return (None, None, None) + none
+        backend = backends.get(ctx.backend_name)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(lse.dtype).contiguous()
+        ops = _Operands(weight, bias)
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros_like(ops.weight) if need_w else None
+        d_bias = torch.zeros(weight.shape[0], dtype=ops.weight.dtype, device=weight.device) if need_b else None
+        rows = hidden.shape[0]
+        for start in range(0, rows, ctx.chunk):
+            part = slice(start, min(start + ctx.chunk, rows))
+            inputs = GradInputs(targets[part], lse[part], entropy[part], grad_logp[part],
+                                None if grad_entropy is None else grad_entropy[part],
+                                None if row_mask is None else row_mask[part], ctx.inv_t)
+            dz = backend.logits_grad_(ops.logits(hidden[part]), inputs)  # in place over the chunk's logits
+            if need_h:
+                d_hidden[part] = dz @ ops.weight
+            if need_w:
+                d_weight.addmm_(dz.t(), _as_matmul_dtype(hidden[part]))
+            if need_b:
+                d_bias += dz.sum(0)
+        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype)) + none
+
+
+def _check_linear(hidden, weight, bias, chunk_size):
+    """Validates the operands; returns hidden as `[N, H]` rows (a view when its layout allows)."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be (B, T, H) padded or (N, H) packed; got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (V, H) with H = {hidden.shape[-1]} (hidden's last dim); "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has an empty vocab dimension (V = 0)")
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"hidden must be float32, bfloat16 or float16 (float64 on backend='torch'); got {hidden.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{name} is {t.dtype} but hidden is {hidden.dtype}: pass one dtype")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},) (one per vocab entry); got {tuple(bias.shape)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _logits_stand_in(hidden, weight):
+    """A zero-storage tensor shaped like the logits, for the checks that speak of them."""
+    shape = tuple(hidden.shape[:-1]) + (weight.shape[0],)
+    return torch.empty_strided(shape, (0,) * len(shape), dtype=hidden.dtype, device=hidden.device)
+
+
+def _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size):
+    resolved = backends.resolve(backend, _logits_stand_in(hidden, weight))
+    chunk = chunk_size or default_chunk_rows(rows.shape[0], weight.shape[0], hidden.device)
+    return FusedLinearTokenStats.apply(rows, weight, bias, targets_flat, row_mask, temperature, resolved, chunk)
+
+
+def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, chunk_size=None,
+                           mask=None, cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None, normalizer=None,
+                           entropy_threshold=None, config: GSPOConfig | None = None, **options):
+    """gspo_loss on the logits `hidden @ weight.T + bias`, never holding them whole.
+
+    hidden: `(B, T, H)` or `(N, H)` (strided rows such as `hidden[:, :-1]` are copied once into
+    rows); weight: `(V, H)`, the lm_head weight; bias: `(V,)` or None; all one dtype and
+    device. Every other argument and option is gspo_loss's. chunk_size: rows per chunk (None:
+    default_chunk_rows). Gradients flow to hidden, weight and bias.
+    """
+    if config is None:
+        config = GSPOConfig(**options)
+    elif options:
+        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
+    rows = _check_linear(hidden, weight, bias, chunk_size)
+    batch = prepare_batch(config, _logits_stand_in(hidden, weight), target_ids, old_logprobs, advantages, mask=mask,
+                          cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                          normalizer=normalizer, entropy_threshold=entropy_threshold)
+    logp, entropy = _stats(rows, hidden, weight, bias, batch.targets, batch.mask, config.temperature,
+                           config.backend, chunk_size)
+    return gspo_objective(config, batch, logp, entropy)
+
+
+def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
+                                       return_entropy=False, chunk_size=None, backend="auto", mask=None):
+    """selective_log_softmax on the logits `hidden @ weight.T + bias`, chunk by chunk, with
+    the full backward (entropy gradient included) to hidden, weight and bias."""
+    temperature = check_temperature(temperature)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    rows = _check_linear(hidden, weight, bias, chunk_size)
+    targets_flat = check_logits_and_targets(_logits_stand_in(hidden, weight), target_ids)
+    row_mask = None if mask is None else check_mask(mask, target_ids.shape, hidden.device)
+    logp, entropy = _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size)
+    logp = logp.reshape(target_ids.shape)
+    return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp
+
+
+class FusedLinearGSPOLoss(torch.nn.Module):
+    """nn.Module form for trainers that hold the lm_head as a module:
+
+        loss_fn = FusedLinearGSPOLoss(level="sequence", chunk_size=None)
+        loss, metrics = loss_fn(hidden, model.lm_head, target_ids, old_logprobs, advantages, mask=mask)
+    """
+
+    def __init__(self, chunk_size: int | None = None, **options) -> None:
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.config = GSPOConfig(**options)
+
+    def forward(self, hidden, lm_head: torch.nn.Linear, target_ids, old_logprobs, advantages, **tensors):
+        return fused_linear_gspo_loss(hidden, lm_head.weight, target_ids, old_logprobs, advantages,
+                                      bias=lm_head.bias, chunk_size=self.chunk_size, config=self.config, **tensors)
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, {self.config!r}"

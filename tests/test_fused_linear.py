@@ -1,0 +1,205 @@
+"""fused_linear_gspo_loss and fused_linear_selective_log_softmax against the materialized
+float64 reference (logits = hidden @ weight.T + bias in float64, then reference.gspo_loss):
+the loss, and the gradients of hidden, weight and bias, on every backend."""
+
+import math
+
+import pytest
+import torch
+
+import gspo_kernels as gk
+from gspo_kernels import reference
+from gspo_kernels.config import LEVELS, LOSS_AGGS
+from gspo_kernels.fused_linear import default_chunk_rows
+from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.verify import relative_error
+
+from conftest import BACKENDS, device_for
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HIDDEN = 24
+# Options rotated through the grid: temperature, KL, entropy bonus.
+OPTIONS = [{}, {"temperature": 0.7}, {"beta": 0.05}, {"entropy_coef": 0.02, "temperature": 1.3}]
+
+
+def _operands(spec, dtype, device, strided=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = (spec.batch, spec.seq_len + (1 if strided else 0), HIDDEN)
+    hidden = torch.randn(rows, generator=gen) * 0.6
+    weight = torch.randn(spec.vocab, HIDDEN, generator=gen) * 0.6
+    bias = torch.randn(spec.vocab, generator=gen) * 0.2
+    return [t.to(dtype).to(device) for t in (hidden, weight, bias)]
+
+
+def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", packed=False, strided=False,
+             chunk_size=5, seed=0, with_bias=True, **options):
+    device = device_for(backend)
+    spec = ProblemSpec(batch=4, seq_len=7, vocab=37, with_ref=True, empty_sequence=True, device=device, seed=seed)
+    problem = make_problem(spec)
+    hidden, weight, bias = _operands(spec, dtype, device, strided, seed)
+    if strided:
+        hidden_view = lambda h: h[:, :-1]  # noqa: E731
+    else:
+        hidden_view = lambda h: h  # noqa: E731
+    if packed:
+        problem = problem.to_packed()
+        lengths = problem.cu_seqlens.diff().tolist()
+        hidden = torch.cat([hidden[i, :n] for i, n in enumerate(lengths)])
+        hidden_view = lambda h: h  # noqa: E731
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    opts = dict(level=level, loss_agg=loss_agg, max_len=spec.seq_len, **options)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss, metrics = gk.fused_linear_gspo_loss(hidden_view(leaves[0]), leaves[1], *args[1:],
+                                              bias=leaves[2] if with_bias else None, chunk_size=chunk_size,
+                                              backend=backend, **kwargs, **opts)
+    loss.backward()
+    refs = [t.detach().double().cpu().requires_grad_() for t in (hidden, weight, bias)]
+    logits = hidden_view(refs[0]) @ refs[1].t() + (refs[2] if with_bias else 0)
+    ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args[1:]]
+    ref_kwargs = {k: v.cpu() for k, v in kwargs.items()}
+    ref_loss, ref_metrics = reference.gspo_loss(logits, *ref_args, **ref_kwargs, **opts)
+    ref_loss.backward()
+    grad_tol = 1e-5 if dtype == torch.float32 else 1e-2  # 16-bit gradients: one rounding of the output
+    assert relative_error(loss, ref_loss, floor=0.1) <= 1e-5
+    assert relative_error(metrics["token_logprobs"], ref_metrics["token_logprobs"], floor=1e-6) <= 1e-5
+    for leaf, ref in zip(leaves[: 3 if with_bias else 2], refs):
+        assert relative_error(leaf.grad, ref.grad) <= grad_tol
+    if not with_bias:
+        assert leaves[2].grad is None
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_materialized_reference(backend, level, loss_agg, dtype, packed, seed):
+    index = LEVELS.index(level) + LOSS_AGGS.index(loss_agg) + DTYPES.index(dtype) + packed
+    _compare(backend, dtype, level, loss_agg, packed, chunk_size=5, seed=seed % 1000, **OPTIONS[index % len(OPTIONS)])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 28, 1000, None])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_sizes_strided_hidden_and_no_bias(backend, chunk_size, seed):
+    """Chunks that do not divide N (28 rows), one chunk for all, the default rule; hidden a
+    strided view (hidden[:, :-1]); no bias."""
+    _compare(backend, torch.float32, strided=True, chunk_size=chunk_size, seed=seed % 1000,
+             with_bias=chunk_size != 3, beta=0.05, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_row(backend, seed):
+    device = device_for(backend)
+    hidden = torch.randn(1, 8, device=device, requires_grad=True)
+    weight = torch.randn(11, 8, device=device, requires_grad=True)
+    target = torch.tensor([3], device=device)
+    logp, entropy = gk.fused_linear_selective_log_softmax(hidden, weight, target, return_entropy=True,
+                                                          backend=backend)
+    (logp.sum() + 0.3 * entropy.sum()).backward()
+    ref_h, ref_w = hidden.detach().double().cpu().requires_grad_(), weight.detach().double().cpu().requires_grad_()
+    log_probs = torch.log_softmax(ref_h @ ref_w.t(), -1)
+    ref_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    (log_probs[0, 3] + 0.3 * ref_entropy.sum()).backward()
+    assert abs(logp.item() - log_probs[0, 3].item()) < 1e-5
+    assert relative_error(hidden.grad, ref_h.grad) < 1e-5 and relative_error(weight.grad, ref_w.grad) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_selective_log_softmax_matches_the_unfused_one(backend, seed):
+    device = device_for(backend)
+    hidden = torch.randn(3, 9, 16, device=device)
+    weight = torch.randn(50, 16, device=device)
+    targets = torch.randint(0, 50, (3, 9), device=device)
+    mask = torch.rand(3, 9, device=device) < 0.7
+    fused = gk.fused_linear_selective_log_softmax(hidden, weight, targets, temperature=0.8, return_entropy=True,
+                                                  chunk_size=4, backend=backend, mask=mask)
+    unfused = gk.selective_log_softmax(hidden @ weight.t(), targets, temperature=0.8, return_entropy=True,
+                                       backend=backend)
+    for a, b in zip(fused, unfused):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_gradcheck_float64():
+    problem = make_problem(ProblemSpec(batch=3, seq_len=4, vocab=6, dtype=torch.float64, with_ref=True,
+                                       empty_sequence=True))
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    hidden = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
+
+    def f(h, w, b):
+        loss, _ = gk.fused_linear_gspo_loss(h, w, *args[1:], bias=b, chunk_size=5, backend="torch", beta=0.1,
+                                            entropy_coef=0.05, temperature=0.9, **kwargs)
+        return loss
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias), eps=1e-7, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_compiled_matches_eager(backend, seed):
+    if backend == "cpu" and not gk.backends.native_available():
+        pytest.skip("extension gspo_kernels._C not built")
+    problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=30, seed=seed))
+    args, kwargs = problem.loss_args()
+    weight = torch.randn(30, 12)
+    torch._dynamo.reset()
+
+    def step(h, w):
+        return gk.fused_linear_gspo_loss(h, w, *args[1:], chunk_size=7, backend=backend, **kwargs)[0]
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        h, w = torch.randn(3, 6, 12, generator=torch.Generator().manual_seed(1)).requires_grad_(), weight.clone()
+        w.requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_module_form_takes_the_lm_head():
+    problem = make_problem(ProblemSpec(batch=2, seq_len=5, vocab=20))
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")  # an option, fixed in the module
+    lm_head = torch.nn.Linear(8, 20)
+    hidden = torch.randn(2, 5, 8)
+    loss_fn = gk.FusedLinearGSPOLoss(chunk_size=3, level="token")
+    loss, _ = loss_fn(hidden, lm_head, *args[1:], **kwargs)
+    loss.backward()
+    direct, _ = gk.fused_linear_gspo_loss(hidden, lm_head.weight, *args[1:], bias=lm_head.bias, level="token", **kwargs)
+    assert math.isclose(loss.item(), direct.item(), rel_tol=1e-6)
+    assert lm_head.weight.grad is not None and lm_head.bias.grad is not None
+
+
+def test_default_chunk_rule():
+    assert default_chunk_rows(4096, 32768, torch.device("cpu")) == 256
+    assert default_chunk_rows(10, 32768, torch.device("cpu")) == 10
+    assert default_chunk_rows(4096, 151936, torch.device("cuda")) == 441
+    assert default_chunk_rows(5, 10**9, torch.device("cpu")) == 1
+
+
+def test_bad_operands():
+    problem = make_problem(ProblemSpec(batch=2, seq_len=5, vocab=20))
+    args, kwargs = problem.loss_args()
+    h, w = torch.randn(2, 5, 8), torch.randn(20, 8)
+    cases = [
+        ((torch.randn(2, 5, 8, 1), w), {}, ValueError, "hidden must be"),
+        ((h, torch.randn(20, 7)), {}, ValueError, "weight must be \\(V, H\\) with H = 8"),
+        ((h, torch.randn(20, 8, 1)), {}, ValueError, "weight must be \\(V, H\\)"),
+        ((h, torch.randn(0, 8)), {}, ValueError, "empty vocab"),
+        ((h[:, :4], w), {}, ValueError, "target_ids must have shape"),
+        ((h, w.bfloat16()), {}, TypeError, "weight is torch.bfloat16 but hidden is torch.float32"),
+        ((h, w), {"bias": torch.randn(19)}, ValueError, "bias must have shape \\(20,\\)"),
+        ((h, w), {"bias": torch.randn(20).half()}, TypeError, "bias is torch.float16"),
+        ((h, w), {"chunk_size": 0}, ValueError, "chunk_size must be a positive int"),
+        ((h, w), {"chunk_size": 2.5}, ValueError, "chunk_size must be a positive int"),
+        ((h.int(), w), {}, TypeError, "hidden must be float32"),
+        (("h", w), {}, TypeError, "hidden must be a torch.Tensor"),
+    ]
+    for (hidden, weight), extra, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            gk.fused_linear_gspo_loss(hidden, weight, *args[1:], **kwargs, **extra)
