@@ -7,7 +7,36 @@ from __future__ import annotations
 import torch
 
 from .config import GSPOConfig
+from .objectives import PolicyInputs
 from .segments import Segments
+
+
+def apply(cfg: GSPOConfig, x: PolicyInputs, policy, old, rollout, entropy, entropy_threshold):
+    """The policy term after the configured corrections, and their metrics: times the rollout
+    weights, then zero where token selection drops a token (response-only `[N]` inputs)."""
+    metrics = {}
+    zero = torch.zeros((), dtype=policy.dtype, device=policy.device)
+    n_tokens = x.mask.to(policy.dtype).sum().clamp(min=1)
+
+    def response_mean(values):
+        return (values.to(policy.dtype).sum() / n_tokens).detach().float()
+
+    if cfg.rollout_correction is not None:
+        weights, rejected = rollout_weights(cfg, x.segments, x.mask, x.tokens_per_seq, old, rollout)
+        policy = policy * weights
+        metrics["rollout_is_mean"] = response_mean(torch.where(x.mask, weights, zero))
+        metrics["rollout_is_max"] = torch.where(x.mask, weights, zero).max().detach().float()
+        metrics["rollout_masked_frac"] = response_mean(rejected)
+    if cfg.top_entropy_quantile < 1.0:
+        kept = high_entropy_tokens(cfg, entropy, x.mask, entropy_threshold)
+        policy = torch.where(kept, policy, zero)
+        metrics["entropy_kept_frac"] = response_mean(kept)
+    if cfg.off_policy_mask_threshold is not None:
+        behaviour = old if rollout is None else rollout
+        kept = on_policy_sequences(cfg, x.segments, x.mask, x.tokens_per_seq, x.logp, behaviour, x.adv)
+        policy = torch.where(kept, policy, zero)
+        metrics["off_policy_masked_frac"] = response_mean(x.mask & ~kept)
+    return policy, metrics
 
 
 def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, old, rollout):

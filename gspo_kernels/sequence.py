@@ -97,23 +97,11 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
 
-    term = policy_term(config, PolicyInputs(logp_r, log_ratio, ratio, adv, mask, seg, tokens_per_seq, clamp))
-    policy, extra = term.per_token, {}
-    if config.rollout_correction is not None:
-        weights, rejected = corrections.rollout_weights(config, seg, mask, tokens_per_seq, old,
-                                                        response_only(batch.rollout_logprobs))
-        policy = policy * weights
-        extra.update(_rollout_metrics(weights, rejected, mask_f))
-    if config.top_entropy_quantile < 1.0:
-        kept = corrections.high_entropy_tokens(config, entropy_r, mask, batch.entropy_threshold)
-        policy = torch.where(kept, policy, zero)
-        extra["entropy_kept_frac"] = (kept.to(dtype).sum() / mask_f.sum().clamp(min=1)).detach().float()
-    if config.off_policy_mask_threshold is not None:
-        behaviour = old if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
-        kept = corrections.on_policy_sequences(config, seg, mask, tokens_per_seq, logp_r, behaviour, adv)
-        policy = torch.where(kept, policy, zero)
-        extra["off_policy_masked_frac"] = ((mask & ~kept).to(dtype).sum() / mask_f.sum().clamp(min=1)).detach().float()
-    per_token = policy
+    inputs = PolicyInputs(logp_r, log_ratio, ratio, adv, mask, seg, tokens_per_seq, clamp)
+    term = policy_term(config, inputs)
+    rollout = None if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
+    per_token, extra = corrections.apply(config, inputs, term.per_token, old, rollout, entropy_r,
+                                         batch.entropy_threshold)
 
     kl = None
     if batch.ref_logprobs is not None:
@@ -130,17 +118,6 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
                        tokens_per_seq)
     metrics.update(extra)
     return loss, metrics
-
-
-@torch.no_grad()
-def _rollout_metrics(weights, rejected, mask_f):
-    n_tokens = mask_f.sum().clamp(min=1)
-    in_response = mask_f > 0
-    return {
-        "rollout_is_mean": ((weights * mask_f).sum() / n_tokens).float(),
-        "rollout_is_max": torch.where(in_response, weights, torch.zeros_like(weights)).max().float(),
-        "rollout_masked_frac": (rejected.to(mask_f.dtype).sum() / n_tokens).float(),
-    }
 
 
 @torch.no_grad()
