@@ -9,11 +9,15 @@ Contenders, all from bf16 hidden states and lm_head weight:
     materialized  logits = hidden.float() @ weight.float().T (fp32, as a CPU must: its bf16
                   matmuls run 10-80x slower), then gk.gspo_loss on them (our kernel)
     eager         the same fp32 logits, then log_softmax + gather + the GSPO formula
+    liger         Liger-Kernel's LigerFusedLinearGRPOLoss (sequence level, one sequence per
+                  chunk, uncompiled), given float32 copies of hidden and weight as its inputs:
+                  it multiplies in its inputs' dtype (when liger-kernel is installed)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -44,7 +48,18 @@ def _inputs(tokens, hidden, vocab, seed=0):
     return h, w, targets, old, adv
 
 
+def _liger(h, w, targets, old, adv):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, loss_type="grpo",
+                                       importance_sampling_level="sequence", epsilon_low=EPS["eps_low"],
+                                       epsilon_high=EPS["eps_high"])
+    return loss_fn(h, w, targets, torch.ones_like(old), adv, old_per_token_logps=old)[0]
+
+
 def _loss(name, h, w, targets, old, adv):
+    if name == "liger":
+        return _liger(h, w, targets, old, adv)
     if name == "chunked":
         return gk.fused_linear_gspo_loss(h, w, targets, old, adv, **EPS)[0]
     logits = h.float() @ w.float().t()
@@ -61,6 +76,8 @@ def _kib(field):
 
 def _child(what, name, tokens, hidden, vocab, reps):
     h, w, targets, old, adv = _inputs(tokens, hidden, vocab)
+    if name == "liger":
+        h, w = h.float(), w.float()
     h.requires_grad_()
     w.requires_grad_()
 
@@ -102,8 +119,11 @@ def main():
     print("| contender | N | fwd+bwd ms | GFLOP/s (6NVH) | peak MiB beyond inputs and returned grads |")
     print("|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):
-        for name in ("chunked", "materialized", "eager"):
+        for name in ("chunked", "materialized", "eager", "liger"):
             if tokens > 2048 and name != "chunked":
+                continue
+            if name == "liger" and importlib.util.find_spec("liger_kernel") is None:
+                print("| liger | - | skipped: liger-kernel not installed | | |")
                 continue
             result = {}
             for what, env in envs.items():
