@@ -58,7 +58,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
     """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]`, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, temperature: float, backend_name: str, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, row_mask, temperature: float, backend_name: str, chunk: int,
+                weight_grad_fp32: bool):
         backend = backends.get(backend_name)
         inv_t = 1.0 / temperature
         rows = hidden.shape[0]
@@ -69,14 +70,14 @@ class FusedLinearTokenStats(torch.autograd.Function):
             part = slice(start, min(start + chunk, rows))
             logp[part], entropy[part], lse[part] = backend.token_stats(ops.logits(hidden[part]), targets[part], inv_t)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask)
-        ctx.inv_t, ctx.backend_name, ctx.chunk = inv_t, backend_name, chunk
+        ctx.inv_t, ctx.backend_name, ctx.chunk, ctx.weight_grad_fp32 = inv_t, backend_name, chunk, weight_grad_fp32
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse, entropy, row_mask = ctx.saved_tensors
-        none = (None,) * 5
+        none = (None,) * 6
         if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
         backend = backends.get(ctx.backend_name)
@@ -86,7 +87,13 @@ class FusedLinearTokenStats(torch.autograd.Function):
             grad_entropy = grad_entropy.to(lse.dtype).contiguous()
         ops = _Operands(weight, bias)
         d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros_like(ops.weight) if need_w else None
+        # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own
+        # dtype instead (half the buffer for 16-bit weights, one rounding per chunk; 16-bit
+        # matmuls, which a GPU runs natively and a CPU slowly).
+        low_precision = not ctx.weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
+        d_weight = None
+        if need_w:
+            d_weight = torch.zeros_like(weight) if low_precision else torch.zeros_like(ops.weight)
         d_bias = torch.zeros(weight.shape[0], dtype=ops.weight.dtype, device=weight.device) if need_b else None
         rows = hidden.shape[0]
         for start in range(0, rows, ctx.chunk):
@@ -97,7 +104,9 @@ class FusedLinearTokenStats(torch.autograd.Function):
             dz = backend.logits_grad_(ops.logits(hidden[part]), inputs)  # in place over the chunk's logits
             if need_h:
                 d_hidden[part] = dz @ ops.weight
-            if need_w:
+            if need_w and low_precision:
+                d_weight.addmm_(dz.t().to(weight.dtype), hidden[part])
+            elif need_w:
                 d_weight.addmm_(dz.t(), _as_matmul_dtype(hidden[part]))
             if need_b:
                 d_bias += dz.sum(0)
@@ -141,21 +150,25 @@ def _logits_stand_in(hidden, weight):
     return torch.empty_strided(shape, (0,) * len(shape), dtype=hidden.dtype, device=hidden.device)
 
 
-def _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size):
+def _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size, weight_grad_fp32):
+    if not isinstance(weight_grad_fp32, bool):
+        raise TypeError(f"weight_grad_fp32 must be a bool; got {type(weight_grad_fp32).__name__}")
     resolved = backends.resolve(backend, _logits_stand_in(hidden, weight))
     chunk = chunk_size or default_chunk_rows(rows.shape[0], weight.shape[0], hidden.device)
-    return FusedLinearTokenStats.apply(rows, weight, bias, targets_flat, row_mask, temperature, resolved, chunk)
+    return FusedLinearTokenStats.apply(rows, weight, bias, targets_flat, row_mask, temperature, resolved, chunk,
+                                       weight_grad_fp32)
 
 
 def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, chunk_size=None,
-                           mask=None, cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None, normalizer=None,
+                           weight_grad_fp32=True, mask=None, cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None, normalizer=None,
                            entropy_threshold=None, config: GSPOConfig | None = None, **options):
     """gspo_loss on the logits `hidden @ weight.T + bias`, never holding them whole.
 
     hidden: `(B, T, H)` or `(N, H)` (strided rows such as `hidden[:, :-1]` are copied once into
     rows); weight: `(V, H)`, the lm_head weight; bias: `(V,)` or None; all one dtype and
     device. Every other argument and option is gspo_loss's. chunk_size: rows per chunk (None:
-    default_chunk_rows). Gradients flow to hidden, weight and bias.
+    default_chunk_rows). Gradients flow to hidden, weight and bias; `d weight` accumulates in
+    float32 unless weight_grad_fp32=False (then in the weight's dtype: half the buffer).
     """
     if config is None:
         config = GSPOConfig(**options)
@@ -166,12 +179,13 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
                           cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                           normalizer=normalizer, entropy_threshold=entropy_threshold)
     logp, entropy = _stats(rows, hidden, weight, bias, batch.targets, batch.mask, config.temperature,
-                           config.backend, chunk_size)
+                           config.backend, chunk_size, weight_grad_fp32)
     return gspo_objective(config, batch, logp, entropy)
 
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
-                                       return_entropy=False, chunk_size=None, backend="auto", mask=None):
+                                       return_entropy=False, chunk_size=None, backend="auto", mask=None,
+                                       weight_grad_fp32=True):
     """selective_log_softmax on the logits `hidden @ weight.T + bias`, chunk by chunk, with
     the full backward (entropy gradient included) to hidden, weight and bias."""
     temperature = check_temperature(temperature)
@@ -180,7 +194,8 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     rows = _check_linear(hidden, weight, bias, chunk_size)
     targets_flat = check_logits_and_targets(_logits_stand_in(hidden, weight), target_ids)
     row_mask = None if mask is None else check_mask(mask, target_ids.shape, hidden.device)
-    logp, entropy = _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size)
+    logp, entropy = _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size,
+                           weight_grad_fp32)
     logp = logp.reshape(target_ids.shape)
     return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp
 
@@ -192,14 +207,16 @@ class FusedLinearGSPOLoss(torch.nn.Module):
         loss, metrics = loss_fn(hidden, model.lm_head, target_ids, old_logprobs, advantages, mask=mask)
     """
 
-    def __init__(self, chunk_size: int | None = None, **options) -> None:
+    def __init__(self, chunk_size: int | None = None, weight_grad_fp32: bool = True, **options) -> None:
         super().__init__()
         self.chunk_size = chunk_size
+        self.weight_grad_fp32 = weight_grad_fp32
         self.config = GSPOConfig(**options)
 
     def forward(self, hidden, lm_head: torch.nn.Linear, target_ids, old_logprobs, advantages, **tensors):
         return fused_linear_gspo_loss(hidden, lm_head.weight, target_ids, old_logprobs, advantages,
-                                      bias=lm_head.bias, chunk_size=self.chunk_size, config=self.config, **tensors)
+                                      bias=lm_head.bias, chunk_size=self.chunk_size,
+                                      weight_grad_fp32=self.weight_grad_fp32, config=self.config, **tensors)
 
     def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, {self.config!r}"
+        return f"chunk_size={self.chunk_size}, weight_grad_fp32={self.weight_grad_fp32}, {self.config!r}"

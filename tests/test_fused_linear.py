@@ -32,7 +32,7 @@ def _operands(spec, dtype, device, strided=False, seed=0):
 
 
 def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", packed=False, strided=False,
-             chunk_size=5, seed=0, with_bias=True, **options):
+             chunk_size=5, seed=0, with_bias=True, weight_grad_fp32=True, **options):
     device = device_for(backend)
     spec = ProblemSpec(batch=4, seq_len=7, vocab=37, with_ref=True, empty_sequence=True, device=device, seed=seed)
     problem = make_problem(spec)
@@ -53,7 +53,7 @@ def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", p
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     loss, metrics = gk.fused_linear_gspo_loss(hidden_view(leaves[0]), leaves[1], *args[1:],
                                               bias=leaves[2] if with_bias else None, chunk_size=chunk_size,
-                                              backend=backend, **kwargs, **opts)
+                                              weight_grad_fp32=weight_grad_fp32, backend=backend, **kwargs, **opts)
     loss.backward()
     refs = [t.detach().double().cpu().requires_grad_() for t in (hidden, weight, bias)]
     logits = hidden_view(refs[0]) @ refs[1].t() + (refs[2] if with_bias else 0)
@@ -87,6 +87,13 @@ def test_chunk_sizes_strided_hidden_and_no_bias(backend, chunk_size, seed):
     strided view (hidden[:, :-1]); no bias."""
     _compare(backend, torch.float32, strided=True, chunk_size=chunk_size, seed=seed % 1000,
              with_bias=chunk_size != 3, beta=0.05, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_grad_in_the_weights_dtype(backend, dtype, seed):
+    """weight_grad_fp32=False: d weight accumulated in 16 bits, one rounding per chunk."""
+    _compare(backend, dtype, chunk_size=7, seed=seed % 1000, weight_grad_fp32=False, beta=0.05)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -197,6 +204,7 @@ def test_bad_operands():
         ((h, w), {"bias": torch.randn(20).half()}, TypeError, "bias is torch.float16"),
         ((h, w), {"chunk_size": 0}, ValueError, "chunk_size must be a positive int"),
         ((h, w), {"chunk_size": 2.5}, ValueError, "chunk_size must be a positive int"),
+        ((h, w), {"weight_grad_fp32": "no"}, TypeError, "weight_grad_fp32 must be a bool"),
         ((h.int(), w), {}, TypeError, "hidden must be float32"),
         (("h", w), {}, TypeError, "hidden must be a torch.Tensor"),
     ]
