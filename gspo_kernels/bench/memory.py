@@ -20,13 +20,13 @@ from .providers import PROVIDERS, Step
 
 
 def _run_step(step: Step) -> None:
-    step.leaf.grad = None
+    step.clear_grads()
     step.loss().backward()
 
 
 def gpu_peak_bytes(step: Step) -> int:
     _run_step(step)  # warm-up: compilation, autotuning, workspace allocations
-    step.leaf.grad = None
+    step.clear_grads()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -40,13 +40,19 @@ def _status_kib(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
-def _probe(provider: str, shape: str, dtype: str) -> None:
+def _probe(provider: str, shape: str, dtype: str, kind: str = "logits") -> None:
     """Child process: prints {"peak_bytes": ...} for one provider on one problem."""
     torch.manual_seed(0)
-    problem = make_bench_problem(Shape.parse(shape), DTYPES[dtype], "cpu")
-    step = PROVIDERS[provider].build(problem)
+    if kind == "linear":
+        from .linear import LINEAR_PROVIDERS, LinearShape, make_linear_problem
+
+        problem = make_linear_problem(LinearShape.parse(shape), DTYPES[dtype], "cpu")
+        step = LINEAR_PROVIDERS[provider].build(problem)
+    else:
+        problem = make_bench_problem(Shape.parse(shape), DTYPES[dtype], "cpu")
+        step = PROVIDERS[provider].build(problem)
     _run_step(step)
-    step.leaf.grad = None
+    step.clear_grads()
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
@@ -55,13 +61,13 @@ def _probe(provider: str, shape: str, dtype: str) -> None:
     print(json.dumps({"peak_bytes": (peak - before) * 1024}))
 
 
-def cpu_peak_bytes(provider: str, shape: Shape, dtype: str, timeout_s: float = 900) -> int:
+def cpu_peak_bytes(provider: str, shape, dtype: str, timeout_s: float = 900, kind: str = "logits") -> int:
     # A fixed mmap threshold: every block of 64 KiB or more is mapped on allocation and unmapped
     # on free, so RSS follows live memory (glibc's sliding threshold would otherwise recycle the
     # warm-up step's freed blocks from its heap, invisibly to VmHWM).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(
-        [sys.executable, "-m", "gspo_kernels.bench.memory", provider, str(shape), dtype],
+        [sys.executable, "-m", "gspo_kernels.bench.memory", provider, str(shape), dtype, kind],
         capture_output=True, text=True, timeout=timeout_s, env=env,
     )
     if out.returncode != 0:
@@ -70,4 +76,4 @@ def cpu_peak_bytes(provider: str, shape: Shape, dtype: str, timeout_s: float = 9
 
 
 if __name__ == "__main__":
-    _probe(*sys.argv[1:4])
+    _probe(*sys.argv[1:5])

@@ -74,6 +74,11 @@ def _liger_available(device: str) -> str | None:
 class Step:
     leaf: torch.Tensor  # requires grad; its .grad is the logits gradient
     loss: Callable[[], torch.Tensor]
+    other_leaves: tuple = ()  # fused linear: the weight (and bias) beside the hidden states
+
+    def clear_grads(self) -> None:
+        for t in (self.leaf, *self.other_leaves):
+            t.grad = None
 
 
 def _on_logits(fn):

@@ -43,6 +43,7 @@ class BenchRow:
     peak_mem_mib: float | None = None  # forward + backward, beyond the inputs
     floor_fraction: float | None = None  # (byte floor / copy bandwidth) / median time
     note: str = ""
+    hidden: int | None = None  # fused-linear problems: H
 
 
 @dataclass

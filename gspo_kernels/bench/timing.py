@@ -44,14 +44,14 @@ def time_mode(step: Step, mode: str, device: str, reps: int = 10, warmup: int = 
         step.loss()
 
     def fwd_bwd():
-        step.leaf.grad = None
+        step.clear_grads()
         step.loss().backward()
 
     if mode == "backward":
         loss = step.loss()
 
         def run():
-            step.leaf.grad = None
+            step.clear_grads()
             loss.backward(retain_graph=True)
     else:
         run = forward if mode == "forward" else fwd_bwd
@@ -62,7 +62,7 @@ def time_mode(step: Step, mode: str, device: str, reps: int = 10, warmup: int = 
     spent = time.perf_counter()
     while len(times) < reps and (len(times) < 3 or time.perf_counter() - spent < budget_s):
         times.append(clock.time_ms(run))
-    step.leaf.grad = None
+    step.clear_grads()
     return statistics.median(times)
 
 

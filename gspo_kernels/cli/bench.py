@@ -6,10 +6,11 @@ from dataclasses import replace
 
 import torch
 
+from ..bench.linear import LINEAR_PROVIDERS, LinearShape, format_linear, make_linear_problem, measure_linear
 from ..bench.problem import DTYPES, Shape
 from ..bench.providers import PROVIDERS
 from ..bench.report import format_suite, format_sweep, plot_sweeps, write_json
-from ..bench.runner import SuiteConfig, SuiteResult, run_suite, steps_in
+from ..bench.runner import SuiteConfig, SuiteResult, machine_meta, run_suite, steps_in
 from ..bench.timing import MODES
 from .progress import Progress
 
@@ -18,15 +19,52 @@ CPU_SHAPES = ("8x512x32768",)
 GPU_SHAPES = tuple(f"{n // 1024}x1024x{v}" for v in (32000, 128256, 151936) for n in (4096, 16384, 65536))
 CPU_SWEEPS = (("2x512x{}", (8192, 16384, 32768, 65536)), ("{}x512x32768", (1, 2, 4, 8)))
 GPU_SWEEPS = (("16x1024x{}", (32000, 65536, 128256, 151936)), ("{}x1024x151936", (4, 8, 16, 32)))
+# Fused linear (NxHxV): the issue's CPU problem (pass 8192x512x32768 too to see memory flat in N).
+LINEAR_CPU_SHAPES = "2048x512x32768"
+LINEAR_GPU_SHAPES = "16384x4096x151936"
 
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+def _run_linear(args, device: str) -> int:
+    """The fused-linear problems: the loss from hidden states and the lm_head weight."""
+    default = LINEAR_GPU_SHAPES if device == "cuda" else LINEAR_CPU_SHAPES
+    shapes = tuple(LinearShape.parse(s) for s in _csv(args.linear if args.linear != "default" else default))
+    providers = _csv(args.providers) if args.providers else tuple(LINEAR_PROVIDERS)
+    modes = _csv(args.modes) if args.modes else MODES
+    if any(p not in LINEAR_PROVIDERS for p in providers) or any(m not in MODES for m in modes) or \
+            args.dtype not in DTYPES:
+        print(f"fused-linear providers are {', '.join(LINEAR_PROVIDERS)}; modes {', '.join(MODES)}")
+        return 2
+    cfg = SuiteConfig(shapes=(), dtype=args.dtype, providers=providers, modes=modes, reps=args.reps,
+                      warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device)
+    progress = Progress(len(shapes) * len(providers) * (len(modes) + int(cfg.measure_memory)))
+    rows = []
+    for shape in shapes:
+        problem = make_linear_problem(shape, DTYPES[args.dtype], device)
+        for name in providers:
+            rows += measure_linear(cfg, name, problem, progress)
+        del problem
+    progress.close()
+    result = SuiteResult(meta=machine_meta(device, float("nan")) | {"dtype": args.dtype, "kind": "fused linear"},
+                         rows=rows)
+    print(format_linear(rows, result.meta))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    failed = [r for r in rows if r.status == "error" and LINEAR_PROVIDERS[r.provider].ours]
+    for r in failed:
+        print(f"ERROR {r.provider} {r.mode}: {r.note}")
+    return 1 if failed else 0
+
+
 def run(args) -> int:
     on_gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if on_gpu else "cpu"
+    if args.linear:
+        return _run_linear(args, device)
     shapes = tuple(Shape.parse(s) for s in (_csv(args.shapes) if args.shapes else GPU_SHAPES if on_gpu else CPU_SHAPES))
     providers = _csv(args.providers) if args.providers else tuple(PROVIDERS)
     unknown = [p for p in providers if p not in PROVIDERS]
@@ -83,4 +121,8 @@ def add_parser(commands) -> None:
     p.add_argument("--cpu", action="store_true", help="benchmark on the CPU even when a GPU is present")
     p.add_argument("--json", help="write one row per (provider, shape, mode) to this file")
     p.add_argument("--plot", help="also sweep V and N and draw time and memory to this PNG")
+    p.add_argument("--linear", nargs="?", const="default",
+                   help="fused-linear problems instead (comma-separated NxHxV; default: "
+                        f"{LINEAR_CPU_SHAPES} on CPU, {LINEAR_GPU_SHAPES} on GPU); providers: "
+                        f"{', '.join(LINEAR_PROVIDERS)}")
     p.set_defaults(run=run)

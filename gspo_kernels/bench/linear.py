@@ -1,0 +1,255 @@
+"""Fused-linear benchmark problems and contenders: the loss from hidden states `(N, H)` and
+the lm_head weight `(V, H)`, sequence-level GSPO, every row in the response.
+
+Contenders:
+    eager         lm_head matmul, log_softmax(float) + gather, the GSPO formula
+    materialized  lm_head matmul, then gspo_loss (this package's kernel) on the logits
+    compile       torch.compile of eager
+    liger         Liger-Kernel's LigerFusedLinearGRPOLoss (sequence level), when installed
+    cce           Cut Cross Entropy's linear_cross_entropy as a per-token log-prob, then the
+                  GSPO formula (GPU, when installed)
+    fused         gk.fused_linear_gspo_loss (chunked; default chunk rule)
+
+On a CPU every contender multiplies in float32 (bf16 matmuls run 10-80x slower there): the
+matmul-first contenders upcast inside their step (the copies count as their memory) and Liger,
+which multiplies in its inputs' dtype, gets float32 hidden states and weight as its inputs.
+On a GPU they multiply in the inputs' dtype, as a trainer does.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..fused_linear import fused_linear_gspo_loss
+from ..loss import gspo_loss
+from .problem import EPS_HIGH, EPS_LOW
+from .providers import Provider, Step, _always, gspo_from_logprobs
+
+SEQ_LEN = 512  # rows per sequence; N must be a multiple (or smaller)
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    tokens: int
+    hidden: int
+    vocab: int
+
+    def __str__(self) -> str:
+        return f"{self.tokens}x{self.hidden}x{self.vocab}"
+
+    @staticmethod
+    def parse(text: str) -> "LinearShape":
+        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*", text)
+        if not m:
+            raise ValueError(f"a fused-linear shape is NxHxV, e.g. 2048x512x32768; got {text!r}")
+        return LinearShape(*(int(g) for g in m.groups()))
+
+    @property
+    def flops(self) -> int:
+        """The materialized floor: 6NVH (one matmul forward, two backward)."""
+        return 6 * self.tokens * self.vocab * self.hidden
+
+
+@dataclass
+class LinearProblem:
+    shape: LinearShape
+    dtype: torch.dtype
+    hidden: torch.Tensor  # (B, T, H)
+    weight: torch.Tensor  # (V, H)
+    target_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+
+
+def make_linear_problem(shape: LinearShape, dtype: torch.dtype, device: str, seed: int = 0) -> LinearProblem:
+    """Old log-probs within ~1e-3 of the current ones, so every row gets a gradient."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seq = min(shape.tokens, SEQ_LEN)
+    if shape.tokens % seq:
+        raise ValueError(f"N = {shape.tokens} must be a multiple of {SEQ_LEN} (or smaller)")
+    batch = shape.tokens // seq
+    hidden = (torch.randn(batch, seq, shape.hidden, generator=gen, device=device) * 0.5).to(dtype)
+    weight = (torch.randn(shape.vocab, shape.hidden, generator=gen, device=device) * 0.05).to(dtype)
+    targets = torch.randint(0, shape.vocab, (batch, seq), generator=gen, device=device)
+    with torch.no_grad():
+        w = weight.float()
+        logp = torch.stack([torch.log_softmax(hidden[i].float() @ w.t(), -1).gather(-1, targets[i, :, None])[:, 0]
+                            for i in range(batch)])
+        del w
+    old = logp + 1e-3 * torch.randn(batch, seq, generator=gen, device=device)
+    adv = torch.randn(batch, generator=gen, device=device)
+    mask = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    return LinearProblem(shape, dtype, hidden, weight, targets, old, adv, mask)
+
+
+def _matmul(h, w):
+    # A CPU multiplies bf16 10-80x slower than fp32: there every contender works in fp32.
+    if h.device.type == "cpu" and h.dtype != torch.float32:
+        h, w = h.float(), w.float()
+    return h @ w.t()
+
+
+def _eager(h, w, p):
+    logits = _matmul(h, w)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, p.target_ids.unsqueeze(-1)).squeeze(-1)
+    return gspo_from_logprobs(logp, p.old_logprobs, p.advantages, p.mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_eager():
+    return torch.compile(_eager)
+
+
+def _materialized(h, w, p):
+    return gspo_loss(_matmul(h, w), p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
+                     eps_high=EPS_HIGH)[0]
+
+
+def _fused(h, w, p):
+    return fused_linear_gspo_loss(h, w, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
+                                  eps_high=EPS_HIGH)[0]
+
+
+def _liger(h, w, p):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, loss_type="grpo",
+                                       importance_sampling_level="sequence", epsilon_low=EPS_LOW,
+                                       epsilon_high=EPS_HIGH)
+    return loss_fn(h, w, p.target_ids, p.mask.float(), p.advantages, old_per_token_logps=p.old_logprobs)[0]
+
+
+def _cce(h, w, p):
+    from cut_cross_entropy import linear_cross_entropy
+
+    logp = -linear_cross_entropy(h, w, p.target_ids, reduction="none").float()
+    return gspo_from_logprobs(logp, p.old_logprobs, p.advantages, p.mask)
+
+
+def _step(fn, cpu_inputs_fp32: bool = False):
+    def build(p: LinearProblem) -> Step:
+        h, w = p.hidden.detach(), p.weight.detach()
+        if cpu_inputs_fp32 and h.device.type == "cpu":
+            h, w = h.float(), w.float()
+        h.requires_grad_()
+        w.requires_grad_()
+        return Step(h, lambda: fn(h, w, p), other_leaves=(w,))
+
+    return build
+
+
+def _liger_linear_available(device: str) -> str | None:
+    try:
+        import liger_kernel.chunked_loss  # noqa: F401
+    except ImportError:
+        return "liger-kernel not installed (pip install liger-kernel)"
+    return None
+
+
+def _cce_available(device: str) -> str | None:
+    if device != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        import cut_cross_entropy  # noqa: F401
+    except ImportError:
+        return "cut-cross-entropy not installed (pip install cut-cross-entropy)"
+    return None
+
+
+LINEAR_PROVIDERS = {
+    p.name: p
+    for p in [
+        Provider("eager", _step(_eager), _always),
+        Provider("materialized", _step(_materialized), _always, ours=True),
+        Provider("compile", _step(lambda h, w, p: _compiled_eager()(h, w, p)), _always),
+        Provider("liger", _step(_liger, cpu_inputs_fp32=True), _liger_linear_available),
+        Provider("cce", _step(_cce), _cce_available),
+        Provider("fused", _step(_fused), _always, ours=True),
+    ]
+}
+
+
+def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
+    """BenchRows of one contender on one fused-linear problem (cfg: a runner.SuiteConfig)."""
+    from .memory import cpu_peak_bytes, gpu_peak_bytes
+    from .runner import BenchRow
+    from .timing import time_mode
+
+    shape = problem.shape
+    batch, seq = problem.hidden.shape[:2]
+    base = dict(provider=name, batch=batch, seq_len=seq, vocab=shape.vocab, tokens=shape.tokens, dtype=cfg.dtype,
+                device=cfg.device, hidden=shape.hidden)
+    provider = LINEAR_PROVIDERS[name]
+    reason = provider.unavailable(cfg.device)
+    if reason is not None:
+        for _ in range(len(cfg.modes) + int(cfg.measure_memory)):
+            progress.step(f"{name} {shape}: skipped")
+        return [BenchRow(**base, mode=m, status="skipped", note=reason) for m in cfg.modes]
+    rows, step = [], None
+    try:
+        step = provider.build(problem)
+        for mode in cfg.modes:
+            progress.step(f"{name} {shape} {mode}")
+            ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
+            rows.append(BenchRow(**base, mode=mode, status="ok", median_ms=ms))
+        if cfg.measure_memory:
+            progress.step(f"{name} {shape} peak memory")
+            peak = (gpu_peak_bytes(step) if cfg.device == "cuda"
+                    else cpu_peak_bytes(name, shape, cfg.dtype, kind="linear"))
+            # What the contender returns (d hidden, d weight) is not its overhead: report beyond it.
+            returned = sum(t.numel() * t.element_size() for t in (step.leaf, *step.other_leaves))
+            for r in rows:
+                r.peak_mem_mib = (peak - returned) / 2**20
+    except Exception as exc:  # one contender failing must not end the suite
+        done = {r.mode for r in rows}
+        rows += [BenchRow(**base, mode=m, status="error", note=f"{type(exc).__name__}: {str(exc)[:200]}")
+                 for m in cfg.modes if m not in done]
+    finally:
+        del step
+    return rows
+
+
+def format_linear(rows, meta) -> str:
+    from ..cli.table import format_table
+    from .timing import MODES
+
+    out = []
+    for key in dict.fromkeys((r.tokens, r.hidden, r.vocab) for r in rows):
+        group = [r for r in rows if (r.tokens, r.hidden, r.vocab) == key]
+        shape = LinearShape(*key)
+        cell = {(r.provider, r.mode): r for r in group}
+        base = cell.get(("materialized", "fwd+bwd"))
+        table, skipped = [], []
+        for name in dict.fromkeys(r.provider for r in group):
+            first = next(r for r in group if r.provider == name)
+            if first.status != "ok":
+                skipped.append(f"{name} ({first.status}: {first.note[:80]})")
+                continue
+            full = cell.get((name, "fwd+bwd"))
+            ms = full.median_ms if full else None
+            mem = full.peak_mem_mib if full else None
+            table.append([
+                name,
+                *("-" if (name, m) not in cell else f"{cell[(name, m)].median_ms:.1f}" for m in MODES),
+                "-" if not ms else f"{shape.flops / (ms * 1e-3) / 1e9:.0f}",
+                "-" if mem is None else f"{mem:.0f}",
+                "-" if mem is None or not base or not base.peak_mem_mib else f"{mem / base.peak_mem_mib:.2f}x",
+                "-" if not ms or not base or not base.median_ms else f"{ms / base.median_ms:.2f}x",
+            ])
+        out.append(f"fused linear: N={shape.tokens} H={shape.hidden} V={shape.vocab}, {group[0].dtype}, "
+                   f"{group[0].device}")
+        out.append(format_table(["provider", *(f"{m} ms" for m in MODES), "GFLOP/s (6NVH)", "peak MiB",
+                                 "memory vs materialized", "time vs materialized"], table))
+        if skipped:
+            out.append("skipped: " + "; ".join(skipped))
+        out.append("")
+    out.append(f"{meta.get('device')} | torch {meta.get('torch')} | {meta.get('cpu_threads')} CPU threads | "
+               f"{meta.get('date')}")
+    out.append("peak MiB: memory beyond the inputs and the gradients returned, during one forward + backward. "
+               "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time; the chunked path does 8NVH.")
+    return "\n".join(out)
