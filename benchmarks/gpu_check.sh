@@ -4,7 +4,7 @@
 # triton backends against the float64 reference (fp32/bf16/fp16, padded and packed, V = 1000
 # and V = 151936), runs compute-sanitizer memcheck over every CUDA kernel variant, runs the test
 # suite on the GPU, and benchmarks forward + backward at N = 16384, V = 151936, bf16 against
-# the byte floor. Logs and JSON go to $OUT (the device tool brings them back).
+# the byte floor, and the fused-linear loss at N = 16384, H = 4096, V = 151936. Logs and JSON go to $OUT (the device tool brings them back).
 #
 #   device run:  bash benchmarks/gpu_check.sh          (timeout_s ~ 600)
 #   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
@@ -49,6 +49,10 @@ timeout 240 "$PY" -m pytest tests -q -x -p no:cacheprovider -k "(cuda or triton)
 step "benchmark: N = 16384, V = 151936, bf16"
 "$PY" -m gspo_kernels bench --shapes 16x1024x151936 --providers eager,eager_trl,compile,liger,triton,cuda,obj_cispo,obj_sapo,obj_gmpo,obj_clip_corrected \
     --reps 10 --budget 10 --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt" | grep -v '^\[' || status=1
+
+step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
+"$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,liger,cce,fused --modes fwd+bwd \
+    --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | tee "$OUT/gpu_bench_linear.txt" | grep -v '^\[' || status=1
 
 step "done: status $status"
 exit $status
