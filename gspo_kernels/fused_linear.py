@@ -8,12 +8,15 @@ stage-3 kernel over them in place (dz), and accumulates `d hidden = dz @ weight`
 atomics: the same inputs give the same bits). Stage 2 is the unchanged `sequence.py`.
 
 Nothing `[N, V]` is kept: what survives forward is the inputs and O(N) statistics. Peak memory
-is one float32 chunk of logits plus the float32 `d weight` accumulator (and, for 16-bit
-inputs, a float32 copy of the weight while a pass runs: CPUs multiply bf16 10-80x slower
-than fp32, so both operands are upcast there).
+is one float32 chunk of logits plus the float32 `d weight` accumulator; on a CPU, for 16-bit
+inputs, also a float32 copy of the weight while a pass runs (CPUs multiply bf16 10-80x slower
+than fp32, so both operands are upcast there). On a GPU the products take the 16-bit
+operands as they are and give float32 results (`_Operands`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -40,18 +43,60 @@ def _as_matmul_dtype(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+# Devices that multiply 16-bit operands natively (tensor cores). There the weight is never
+# upcast: products take 16-bit operands and give float32 results. A CPU multiplies bf16 10-80x
+# slower than fp32, so there both operands are upcast. (Tests add "cpu" to cover the path.)
+NATIVE_16BIT_MATMUL = {"cuda"}
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp32_out_mm(device: torch.device) -> bool:
+    """Whether torch.mm(..., out_dtype=torch.float32) runs on this device (CUDA, recent torch)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """16-bit a @ b with a float32 result: accumulated in fp32 and not rounded to 16 bits where
+    the device can (out_dtype), else the 16-bit result upcast (the usual lm_head precision)."""
+    if _has_fp32_out_mm(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
 class _Operands:
-    """The weight and bias in the matmul dtype, converted once per pass."""
+    """The three products of a chunk, with the weight in the dtype the device multiplies best."""
 
     def __init__(self, weight, bias):
-        self.weight = _as_matmul_dtype(weight)
-        self.bias = None if bias is None else _as_matmul_dtype(bias)
+        self.dtype = weight.dtype
+        self.native = weight.device.type in NATIVE_16BIT_MATMUL and weight.dtype in (torch.bfloat16, torch.float16)
+        self.weight = weight if self.native else _as_matmul_dtype(weight)
+        self.bias = None if bias is None else (bias.float() if self.native else _as_matmul_dtype(bias))
+        self.accum_dtype = torch.float32 if self.native else self.weight.dtype
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """A chunk's logits in float32 (float64 for float64 inputs)."""
+        if self.native:
+            z = _mm_fp32(hidden_rows, self.weight.t())
+            return z if self.bias is None else z.add_(self.bias)
         h = _as_matmul_dtype(hidden_rows)
-        if self.bias is None:
-            return h @ self.weight.t()
-        return torch.addmm(self.bias, h, self.weight.t())
+        return h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t())
+
+    def hidden_grad(self, dz: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return _mm_fp32(dz.to(self.dtype), self.weight)
+        return dz @ self.weight
+
+    def add_weight_grad(self, d_weight: torch.Tensor, dz: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+        if d_weight.dtype == self.dtype and self.dtype != self.accum_dtype:  # 16-bit accumulator
+            d_weight.addmm_(dz.t().to(self.dtype), hidden_rows)
+        elif self.native:
+            d_weight.add_(_mm_fp32(dz.t().to(self.dtype), hidden_rows))
+        else:
+            d_weight.addmm_(dz.t(), _as_matmul_dtype(hidden_rows))
 
 
 class FusedLinearTokenStats(torch.autograd.Function):
@@ -93,8 +138,9 @@ class FusedLinearTokenStats(torch.autograd.Function):
         low_precision = not ctx.weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
         d_weight = None
         if need_w:
-            d_weight = torch.zeros_like(weight) if low_precision else torch.zeros_like(ops.weight)
-        d_bias = torch.zeros(weight.shape[0], dtype=ops.weight.dtype, device=weight.device) if need_b else None
+            d_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_precision else ops.accum_dtype,
+                                   device=weight.device)
+        d_bias = torch.zeros(weight.shape[0], dtype=ops.accum_dtype, device=weight.device) if need_b else None
         rows = hidden.shape[0]
         for start in range(0, rows, ctx.chunk):
             part = slice(start, min(start + ctx.chunk, rows))
@@ -103,11 +149,9 @@ class FusedLinearTokenStats(torch.autograd.Function):
                                 None if row_mask is None else row_mask[part], ctx.inv_t)
             dz = backend.logits_grad_(ops.logits(hidden[part]), inputs)  # in place over the chunk's logits
             if need_h:
-                d_hidden[part] = dz @ ops.weight
-            if need_w and low_precision:
-                d_weight.addmm_(dz.t().to(weight.dtype), hidden[part])
-            elif need_w:
-                d_weight.addmm_(dz.t(), _as_matmul_dtype(hidden[part]))
+                d_hidden[part] = ops.hidden_grad(dz)
+            if need_w:
+                ops.add_weight_grad(d_weight, dz, hidden[part])
             if need_b:
                 d_bias += dz.sum(0)
         return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),

@@ -211,3 +211,34 @@ def test_bad_operands():
     for (hidden, weight), extra, error, pattern in cases:
         with pytest.raises(error, match=pattern):
             gk.fused_linear_gspo_loss(hidden, weight, *args[1:], **kwargs, **extra)
+
+
+@pytest.mark.parametrize("weight_grad_fp32", [True, False])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_native_16bit_products_path(backend, weight_grad_fp32, monkeypatch, seed):
+    """The GPU path (16-bit operands, float32 results) run on a CPU: without out_dtype there the
+    logits are the 16-bit products upcast, as an lm_head writes them; the reference gets the same
+    logits, and the gradients carry one 16-bit rounding of dz."""
+    from gspo_kernels import fused_linear
+
+    if backend == "cpu" and not gk.backends.native_available():
+        pytest.skip("extension gspo_kernels._C not built")
+    monkeypatch.setattr(fused_linear, "NATIVE_16BIT_MATMUL", {"cpu"})
+    problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=29, with_ref=True, seed=seed % 1000))
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    gen = torch.Generator().manual_seed(seed % 1000)
+    operands = [(torch.randn(3, 6, 16, generator=gen) * 0.6).bfloat16(),
+                (torch.randn(29, 16, generator=gen) * 0.6).bfloat16(), (torch.randn(29, generator=gen) * 0.2).bfloat16()]
+    leaves = [t.clone().requires_grad_() for t in operands]
+    loss, _ = gk.fused_linear_gspo_loss(*leaves[:2], *args[1:], bias=leaves[2], chunk_size=4, backend=backend,
+                                        weight_grad_fp32=weight_grad_fp32, beta=0.05, **kwargs)
+    loss.backward()
+    refs = [t.detach().double().requires_grad_() for t in operands]
+    logits16 = (operands[0] @ operands[1].t()).double()  # the 16-bit products, as the fallback forms them
+    logits = logits16 + (refs[0] @ refs[1].t() - (refs[0] @ refs[1].t()).detach()) + refs[2]
+    ref_loss, _ = reference.gspo_loss(logits, *args[1:], beta=0.05, **kwargs)
+    ref_loss.backward()
+    assert relative_error(loss, ref_loss, floor=0.1) <= 1e-5
+    for leaf, ref in zip(leaves, refs):
+        assert relative_error(leaf.grad, ref.grad) <= 2e-2
