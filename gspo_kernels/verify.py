@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .fused_linear import fused_linear_gspo_loss
 from .loss import gspo_loss
 from .problems import Problem
 
@@ -151,3 +152,41 @@ def token_stats_errors(backend: str, dtype: torch.dtype, device: str, rows: int 
         return err if math.isfinite(err) else math.inf
 
     return worst(logp, ref_logp), worst(entropy, ref_entropy)
+
+
+def linear_operands(problem: Problem, hidden_size: int = 24, seed: int = 0):
+    """(hidden, weight, bias) for fused-linear checks, laid out like the problem's logits:
+    `(B, T, H)` padded or `(N, H)` packed, weight `(V, H)`, bias `(V,)`, in its dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = tuple(problem.logits.shape[:-1])
+    vocab = problem.logits.shape[-1]
+    dtype, device = problem.logits.dtype, problem.logits.device
+    tensors = (torch.randn(*rows, hidden_size, generator=gen) * 0.6, torch.randn(vocab, hidden_size, generator=gen) * 0.6,
+               torch.randn(vocab, generator=gen) * 0.2)
+    return [t.to(dtype).to(device) for t in tensors]
+
+
+def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weight_grad_fp32=True,
+                    **options) -> CaseResult:
+    """fused_linear_gspo_loss of `backend` against the materialized float64 reference
+    (hidden @ weight.T + bias in float64, then reference.gspo_loss): the loss, the token
+    log-probs, and the gradients of hidden, weight and bias. `operands` may hold bias None."""
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in operands]
+    loss, metrics = fused_linear_gspo_loss(leaves[0], leaves[1], *args[1:], bias=leaves[2], chunk_size=chunk_size,
+                                           weight_grad_fp32=weight_grad_fp32, backend=backend, **kwargs, **options)
+    loss.backward()
+    refs = [None if t is None else t.detach().double().cpu().requires_grad_() for t in operands]
+    logits = refs[0] @ refs[1].t() + (0 if refs[2] is None else refs[2])
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    ref_loss, ref_metrics = reference.gspo_loss(logits, *[a.cpu() for a in args[1:]], **cpu, **options)
+    ref_loss.backward()
+    tol = Tolerance.for_dtype(operands[0].dtype)
+    errors = {"loss": relative_error(loss, ref_loss, floor=0.1 * _terms_summed(problem, options.get("loss_agg"))),
+              "token_logprobs": relative_error(metrics["token_logprobs"], ref_metrics["token_logprobs"], floor=1e-6)}
+    limits = {"loss": tol.loss, "token_logprobs": tol.stats}
+    for name, leaf, ref in zip(("grad_hidden", "grad_weight", "grad_bias"), leaves, refs):
+        if leaf is not None:
+            errors[name], limits[name] = relative_error(leaf.grad, ref.grad), tol.grad
+    return CaseResult(errors=errors, limits=limits)

@@ -12,7 +12,7 @@ from gspo_kernels import reference
 from gspo_kernels.config import LEVELS, LOSS_AGGS
 from gspo_kernels.fused_linear import default_chunk_rows
 from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import relative_error
+from gspo_kernels.verify import linear_operands, relative_error, run_linear_case
 
 from conftest import BACKENDS, device_for
 
@@ -22,52 +22,19 @@ HIDDEN = 24
 OPTIONS = [{}, {"temperature": 0.7}, {"beta": 0.05}, {"entropy_coef": 0.02, "temperature": 1.3}]
 
 
-def _operands(spec, dtype, device, strided=False, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = (spec.batch, spec.seq_len + (1 if strided else 0), HIDDEN)
-    hidden = torch.randn(rows, generator=gen) * 0.6
-    weight = torch.randn(spec.vocab, HIDDEN, generator=gen) * 0.6
-    bias = torch.randn(spec.vocab, generator=gen) * 0.2
-    return [t.to(dtype).to(device) for t in (hidden, weight, bias)]
-
-
-def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", packed=False, strided=False,
-             chunk_size=5, seed=0, with_bias=True, weight_grad_fp32=True, **options):
-    device = device_for(backend)
-    spec = ProblemSpec(batch=4, seq_len=7, vocab=37, with_ref=True, empty_sequence=True, device=device, seed=seed)
+def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", packed=False, chunk_size=5, seed=0,
+             with_bias=True, weight_grad_fp32=True, **options):
+    spec = ProblemSpec(batch=4, seq_len=7, vocab=37, dtype=dtype, with_ref=True, empty_sequence=True,
+                       device=device_for(backend), seed=seed)
     problem = make_problem(spec)
-    hidden, weight, bias = _operands(spec, dtype, device, strided, seed)
-    if strided:
-        hidden_view = lambda h: h[:, :-1]  # noqa: E731
-    else:
-        hidden_view = lambda h: h  # noqa: E731
     if packed:
         problem = problem.to_packed()
-        lengths = problem.cu_seqlens.diff().tolist()
-        hidden = torch.cat([hidden[i, :n] for i, n in enumerate(lengths)])
-        hidden_view = lambda h: h  # noqa: E731
-    args, kwargs = problem.loss_args()
-    kwargs.pop("temperature")
-    opts = dict(level=level, loss_agg=loss_agg, max_len=spec.seq_len, **options)
-
-    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
-    loss, metrics = gk.fused_linear_gspo_loss(hidden_view(leaves[0]), leaves[1], *args[1:],
-                                              bias=leaves[2] if with_bias else None, chunk_size=chunk_size,
-                                              weight_grad_fp32=weight_grad_fp32, backend=backend, **kwargs, **opts)
-    loss.backward()
-    refs = [t.detach().double().cpu().requires_grad_() for t in (hidden, weight, bias)]
-    logits = hidden_view(refs[0]) @ refs[1].t() + (refs[2] if with_bias else 0)
-    ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args[1:]]
-    ref_kwargs = {k: v.cpu() for k, v in kwargs.items()}
-    ref_loss, ref_metrics = reference.gspo_loss(logits, *ref_args, **ref_kwargs, **opts)
-    ref_loss.backward()
-    grad_tol = 1e-5 if dtype == torch.float32 else 1e-2  # 16-bit gradients: one rounding of the output
-    assert relative_error(loss, ref_loss, floor=0.1) <= 1e-5
-    assert relative_error(metrics["token_logprobs"], ref_metrics["token_logprobs"], floor=1e-6) <= 1e-5
-    for leaf, ref in zip(leaves[: 3 if with_bias else 2], refs):
-        assert relative_error(leaf.grad, ref.grad) <= grad_tol
+    operands = linear_operands(problem, HIDDEN, seed)
     if not with_bias:
-        assert leaves[2].grad is None
+        operands[2] = None
+    result = run_linear_case(problem, backend, operands, chunk_size=chunk_size, weight_grad_fp32=weight_grad_fp32,
+                             level=level, loss_agg=loss_agg, max_len=spec.seq_len, **options)
+    assert result.passed, result.failures()
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -82,11 +49,30 @@ def test_matches_materialized_reference(backend, level, loss_agg, dtype, packed,
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 28, 1000, None])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_chunk_sizes_strided_hidden_and_no_bias(backend, chunk_size, seed):
-    """Chunks that do not divide N (28 rows), one chunk for all, the default rule; hidden a
-    strided view (hidden[:, :-1]); no bias."""
-    _compare(backend, torch.float32, strided=True, chunk_size=chunk_size, seed=seed % 1000,
-             with_bias=chunk_size != 3, beta=0.05, entropy_coef=0.01)
+def test_chunk_sizes_and_no_bias(backend, chunk_size, seed):
+    """Chunks that do not divide N (28 rows), one chunk for all, the default rule; no bias."""
+    _compare(backend, torch.float32, chunk_size=chunk_size, seed=seed % 1000, with_bias=chunk_size != 3,
+             beta=0.05, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_hidden(backend, seed):
+    """hidden[:, :-1], the usual shift of a causal LM's hidden states: gradients land in place."""
+    device = device_for(backend)
+    problem = make_problem(ProblemSpec(batch=3, seq_len=5, vocab=23, device=device, seed=seed % 1000))
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    full = torch.randn(3, 6, 16, device=device, requires_grad=True)
+    weight = torch.randn(23, 16, device=device, requires_grad=True)
+    loss, _ = gk.fused_linear_gspo_loss(full[:, :-1], weight, *args[1:], chunk_size=4, backend=backend, **kwargs)
+    loss.backward()
+    ref_full, ref_weight = full.detach().double().cpu().requires_grad_(), weight.detach().double().cpu().requires_grad_()
+    ref_loss, _ = reference.gspo_loss(ref_full[:, :-1] @ ref_weight.t(), *[a.cpu() for a in args[1:]],
+                                      **{k: v.cpu() for k, v in kwargs.items()})
+    ref_loss.backward()
+    assert relative_error(loss, ref_loss, floor=0.1) <= 1e-5
+    assert torch.count_nonzero(full.grad[:, -1]) == 0
+    assert relative_error(full.grad, ref_full.grad) <= 1e-5 and relative_error(weight.grad, ref_weight.grad) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -12,7 +12,7 @@ import torch
 from .. import backends
 from ..config import LEVELS
 from ..problems import ProblemSpec, make_problem
-from ..verify import STATS_LIMIT, run_case, token_stats_errors
+from ..verify import STATS_LIMIT, linear_operands, run_case, run_linear_case, token_stats_errors
 from .progress import Progress
 from .table import print_table
 
@@ -94,6 +94,8 @@ def run(args) -> int:
     print(f"\n{len(rows) - failed}/{len(rows)} cases pass "
           "(errors are ||out - ref|| / ||ref|| against the float64 reference)\n")
     failed += _print_stats_precision(chosen, available)
+    print()
+    failed += _print_fused_linear(chosen, available, args)
     elapsed = time.perf_counter() - start
     print(f"\ncheck took {elapsed:.0f} s")
     if "triton" in chosen and available["triton"] == "cpu":
@@ -116,6 +118,33 @@ def _print_stats_precision(chosen, available) -> int:
     print_table(header, rows)
     print(f"token statistics against float64 on 64 rows of V = 12388 (Gaussian and peaked); "
           f"limit {STATS_LIMIT:.0e} absolute")
+    return failed
+
+
+def _print_fused_linear(chosen, available, args) -> int:
+    """fused_linear_gspo_loss on every backend against the materialized float64 reference:
+    3 levels x fp32/bf16 x padded/packed, chunks that do not divide N, KL and temperature
+    rotating. Returns the failures."""
+    header = ("backend", "case", "loss err", "d hidden", "d weight", "d bias", "result")
+    rows, failed = [], 0
+    grid = list(itertools.product(("fp32", "bf16"), ("padded", "packed"), LEVELS))
+    for backend in chosen:
+        for i, (dtype, layout, level) in enumerate(grid):
+            spec = ProblemSpec(batch=args.batch, seq_len=args.seq_len, vocab=args.vocab, dtype=DTYPES[dtype],
+                               empty_sequence=True, with_ref=True, device=available[backend], seed=100 + i)
+            problem = make_problem(spec)
+            if layout == "packed":
+                problem = problem.to_packed()
+            options = dict(level=level, beta=0.05 * (i % 2), temperature=(1.0, 0.7)[i % 2 == 0])
+            result = run_linear_case(problem, backend, linear_operands(problem, seed=i), chunk_size=7, **options)
+            failed += not result.passed
+            e = result.errors
+            rows.append((backend, f"{dtype} {layout} {level}", f"{e['loss']:.1e}", f"{e['grad_hidden']:.1e}",
+                         f"{e['grad_weight']:.1e}", f"{e['grad_bias']:.1e}",
+                         "pass" if result.passed else "FAIL " + "; ".join(result.failures())))
+    print_table(header, rows)
+    print(f"fused linear (hidden @ weight.T + bias, 7-row chunks) against the float64 reference: "
+          f"{len(rows) - failed}/{len(rows)} pass")
     return failed
 
 
