@@ -2,7 +2,6 @@
 peer options) on every backend against the float64 reference, plus proof that the test
 problems take every branch."""
 
-import itertools
 
 import pytest
 import torch

@@ -19,15 +19,14 @@ On a GPU they multiply in the inputs' dtype, as a trainer does.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 import torch
 
 from ..fused_linear import fused_linear_gspo_loss
 from ..loss import gspo_loss
-from .problem import EPS_HIGH, EPS_LOW
-from .providers import Provider, Step, _always, gspo_from_logprobs
+from .problem import EPS_HIGH, EPS_LOW, parse_dims
+from .providers import Provider, Step, _always, gspo_from_logprobs, requires
 
 SEQ_LEN = 512  # rows per sequence; N must be a multiple (or smaller)
 
@@ -43,10 +42,7 @@ class LinearShape:
 
     @staticmethod
     def parse(text: str) -> "LinearShape":
-        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*", text)
-        if not m:
-            raise ValueError(f"a fused-linear shape is NxHxV, e.g. 2048x512x32768; got {text!r}")
-        return LinearShape(*(int(g) for g in m.groups()))
+        return LinearShape(*parse_dims(text, "a fused-linear shape is NxHxV, e.g. 2048x512x32768"))
 
     @property
     def flops(self) -> int:
@@ -143,32 +139,14 @@ def _step(fn, cpu_inputs_fp32: bool = False):
     return build
 
 
-def _liger_linear_available(device: str) -> str | None:
-    try:
-        import liger_kernel.chunked_loss  # noqa: F401
-    except ImportError:
-        return "liger-kernel not installed (pip install liger-kernel)"
-    return None
-
-
-def _cce_available(device: str) -> str | None:
-    if device != "cuda":
-        return "needs a CUDA GPU"
-    try:
-        import cut_cross_entropy  # noqa: F401
-    except ImportError:
-        return "cut-cross-entropy not installed (pip install cut-cross-entropy)"
-    return None
-
-
 LINEAR_PROVIDERS = {
     p.name: p
     for p in [
         Provider("eager", _step(_eager), _always),
         Provider("materialized", _step(_materialized), _always, ours=True),
         Provider("compile", _step(lambda h, w, p: _compiled_eager()(h, w, p)), _always),
-        Provider("liger", _step(_liger, cpu_inputs_fp32=True), _liger_linear_available),
-        Provider("cce", _step(_cce), _cce_available),
+        Provider("liger", _step(_liger, cpu_inputs_fp32=True), requires("liger_kernel.chunked_loss", "liger-kernel")),
+        Provider("cce", _step(_cce), requires("cut_cross_entropy", "cut-cross-entropy", gpu_only=True)),
         Provider("fused", _step(_fused), _always, ours=True),
     ]
 }
@@ -177,41 +155,19 @@ LINEAR_PROVIDERS = {
 def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
     """BenchRows of one contender on one fused-linear problem (cfg: a runner.SuiteConfig)."""
     from .memory import cpu_peak_bytes, gpu_peak_bytes
-    from .runner import BenchRow
-    from .timing import time_mode
+    from .runner import Measurement, measure
 
     shape = problem.shape
     batch, seq = problem.hidden.shape[:2]
     base = dict(provider=name, batch=batch, seq_len=seq, vocab=shape.vocab, tokens=shape.tokens, dtype=cfg.dtype,
                 device=cfg.device, hidden=shape.hidden)
-    provider = LINEAR_PROVIDERS[name]
-    reason = provider.unavailable(cfg.device)
-    if reason is not None:
-        for _ in range(len(cfg.modes) + int(cfg.measure_memory)):
-            progress.step(f"{name} {shape}: skipped")
-        return [BenchRow(**base, mode=m, status="skipped", note=reason) for m in cfg.modes]
-    rows, step = [], None
-    try:
-        step = provider.build(problem)
-        for mode in cfg.modes:
-            progress.step(f"{name} {shape} {mode}")
-            ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
-            rows.append(BenchRow(**base, mode=mode, status="ok", median_ms=ms))
-        if cfg.measure_memory:
-            progress.step(f"{name} {shape} peak memory")
-            peak = (gpu_peak_bytes(step) if cfg.device == "cuda"
-                    else cpu_peak_bytes(name, shape, cfg.dtype, kind="linear"))
-            # What the contender returns (d hidden, d weight) is not its overhead: report beyond it.
-            returned = sum(t.numel() * t.element_size() for t in (step.leaf, *step.other_leaves))
-            for r in rows:
-                r.peak_mem_mib = (peak - returned) / 2**20
-    except Exception as exc:  # one contender failing must not end the suite
-        done = {r.mode for r in rows}
-        rows += [BenchRow(**base, mode=m, status="error", note=f"{type(exc).__name__}: {str(exc)[:200]}")
-                 for m in cfg.modes if m not in done]
-    finally:
-        del step
-    return rows
+
+    def peak_bytes(step):
+        peak = gpu_peak_bytes(step) if cfg.device == "cuda" else cpu_peak_bytes(name, shape, cfg.dtype, kind="linear")
+        # What the contender returns (d hidden, d weight) is not its overhead: report beyond it.
+        return peak - sum(t.numel() * t.element_size() for t in (step.leaf, *step.other_leaves))
+
+    return measure(cfg, Measurement(LINEAR_PROVIDERS[name], problem, base, f"{name} {shape}", peak_bytes), progress)
 
 
 def format_linear(rows, meta) -> str:
@@ -228,7 +184,8 @@ def format_linear(rows, meta) -> str:
         for name in dict.fromkeys(r.provider for r in group):
             first = next(r for r in group if r.provider == name)
             if first.status != "ok":
-                skipped.append(f"{name} ({first.status}: {first.note[:80]})")
+                why = first.note[:80] if first.status == "skipped" else f"{first.status}: {first.note[:80]}"
+                skipped.append(f"{name} ({why})")
                 continue
             full = cell.get((name, "fwd+bwd"))
             ms = full.median_ms if full else None

@@ -11,6 +11,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 
 
+def parse_dims(text: str, expected: str) -> tuple[int, int, int]:
+    """"AxBxC" -> (A, B, C); ValueError saying `expected` otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*", text)
+    if not m:
+        raise ValueError(f"{expected}; got {text!r}")
+    return tuple(int(g) for g in m.groups())
+
+
 @dataclass(frozen=True)
 class Shape:
     batch: int
@@ -26,10 +34,7 @@ class Shape:
 
     @staticmethod
     def parse(text: str) -> "Shape":
-        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*", text)
-        if not m:
-            raise ValueError(f"a shape is BxTxV, e.g. 8x512x32768; got {text!r}")
-        return Shape(*(int(g) for g in m.groups()))
+        return Shape(*parse_dims(text, "a shape is BxTxV, e.g. 8x512x32768"))
 
 
 def floor_bytes(shape: Shape, dtype: torch.dtype, mode: str) -> int:

@@ -18,6 +18,7 @@ below) on the auto backend, whose time should match plain GSPO's.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -60,14 +61,22 @@ def _compiled_eager():
     return torch.compile(_eager_loss)
 
 
-def _liger_available(device: str) -> str | None:
-    if device != "cuda":
-        return "needs a CUDA GPU"
-    try:
-        from liger_kernel.transformers.grpo_loss import triton_grpo_loss  # noqa: F401
-    except ImportError:
-        return "liger-kernel not installed (pip install liger-kernel)"
-    return None
+def requires(module: str, package: str, gpu_only: bool = False):
+    """An availability check: the reason a provider cannot run here, or None."""
+
+    def unavailable(device: str) -> str | None:
+        if gpu_only and device != "cuda":
+            return "needs a CUDA GPU"
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return f"{package} not installed (pip install {package})"
+        return None
+
+    return unavailable
+
+
+_liger_available = requires("liger_kernel.transformers.grpo_loss", "liger-kernel", gpu_only=True)
 
 
 @dataclass

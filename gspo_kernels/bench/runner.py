@@ -6,12 +6,13 @@ import datetime
 import gc
 import platform
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
 from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import DTYPES, Shape, floor_bytes, make_bench_problem
-from .providers import PROVIDERS
+from .providers import PROVIDERS, Provider
 from .timing import MODES, copy_bandwidth_gbs, time_mode
 
 
@@ -88,40 +89,63 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
 
 
-def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: float, progress) -> list[BenchRow]:
-    provider = PROVIDERS[name]
-    base = dict(provider=name, batch=shape.batch, seq_len=shape.seq_len, vocab=shape.vocab, tokens=shape.tokens,
-                dtype=cfg.dtype, device=cfg.device)
-    reason = provider.unavailable(cfg.device)
+@dataclass(frozen=True)
+class Measurement:
+    """One provider on one problem: what to build, how its rows are labelled, and how the
+    peak memory of a step is taken (the byte floor only where one applies)."""
+
+    provider: Provider
+    problem: object
+    base: dict  # BenchRow fields shared by its rows
+    label: str  # progress text
+    peak_bytes: Callable  # step -> bytes beyond the inputs
+    floor_ms: Callable | None = None  # mode -> milliseconds at the byte floor
+
+
+def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
+    reason = m.provider.unavailable(cfg.device)
     if reason is not None:
         for _ in range(len(cfg.modes) + int(cfg.measure_memory)):
-            progress.step(f"{name} {shape}: skipped")
-        return [BenchRow(**base, mode=m, status="skipped", note=reason) for m in cfg.modes]
+            progress.step(f"{m.label}: skipped")
+        return [BenchRow(**m.base, mode=mode, status="skipped", note=reason) for mode in cfg.modes]
     rows = []
     step = None
     try:
-        step = provider.build(problem)
+        step = m.provider.build(m.problem)
         for mode in cfg.modes:
-            progress.step(f"{name} {shape} {mode}")
+            progress.step(f"{m.label} {mode}")
             ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
-            floor_ms = floor_bytes(shape, DTYPES[cfg.dtype], mode) / (bandwidth * 1e9) * 1e3
-            rows.append(BenchRow(**base, mode=mode, status="ok", median_ms=ms, floor_fraction=floor_ms / ms))
+            floor = None if m.floor_ms is None else m.floor_ms(mode) / ms
+            rows.append(BenchRow(**m.base, mode=mode, status="ok", median_ms=ms, floor_fraction=floor))
         if cfg.measure_memory:
-            progress.step(f"{name} {shape} peak memory")
-            peak = gpu_peak_bytes(step) if cfg.device == "cuda" else cpu_peak_bytes(name, shape, cfg.dtype)
+            progress.step(f"{m.label} peak memory")
+            peak = m.peak_bytes(step)
             for r in rows:
                 r.peak_mem_mib = peak / 2**20
     except Exception as exc:  # one provider failing (OOM, missing op) must not end the suite
         status = "oom" if _is_oom(exc) else "error"
         done = {r.mode for r in rows}
-        rows += [BenchRow(**base, mode=m, status=status, note=f"{type(exc).__name__}: {str(exc)[:200]}")
-                 for m in cfg.modes if m not in done]
+        rows += [BenchRow(**m.base, mode=mode, status=status, note=f"{type(exc).__name__}: {str(exc)[:200]}")
+                 for mode in cfg.modes if mode not in done]
     finally:
         del step
         gc.collect()
         if cfg.device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: float, progress) -> list[BenchRow]:
+    base = dict(provider=name, batch=shape.batch, seq_len=shape.seq_len, vocab=shape.vocab, tokens=shape.tokens,
+                dtype=cfg.dtype, device=cfg.device)
+
+    def peak_bytes(step):
+        return gpu_peak_bytes(step) if cfg.device == "cuda" else cpu_peak_bytes(name, shape, cfg.dtype)
+
+    def floor_ms(mode):
+        return floor_bytes(shape, DTYPES[cfg.dtype], mode) / (bandwidth * 1e9) * 1e3
+
+    return measure(cfg, Measurement(PROVIDERS[name], problem, base, f"{name} {shape}", peak_bytes, floor_ms), progress)
 
 
 def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
