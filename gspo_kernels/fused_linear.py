@@ -21,7 +21,7 @@ import functools
 import torch
 
 from . import backends
-from .backends.grad_inputs import GradInputs
+from .backends.grad_inputs import GradInputs, upstream_grads
 from .config import BACKENDS, GSPOConfig, check_temperature
 from .inputs import check_logits_and_targets, check_mask, prepare_batch
 from .sequence import gspo_objective
@@ -127,9 +127,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
             return (None, None, None) + none
         backend = backends.get(ctx.backend_name)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.to(lse.dtype).contiguous()
+        grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         ops = _Operands(weight, bias)
         d_hidden = torch.empty_like(hidden) if need_h else None
         # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .backends.grad_inputs import GradInputs
+from .backends.grad_inputs import GradInputs, upstream_grads
 from .backends.layout import writable_in_place
 from .config import BACKENDS, check_temperature
 from .inputs import check_logits_and_targets, check_mask
@@ -44,10 +44,7 @@ class TokenStatsFunction(torch.autograd.Function):
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
         logits, targets, lse, entropy, row_mask = ctx.saved_tensors
-        # Autograd may hand over expanded (stride-0) gradients; the kernels index rows directly.
-        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.to(lse.dtype).contiguous()
+        grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
         backend = backends.get(ctx.backend_name)
         if ctx.inplace and writable_in_place(logits):

@@ -29,3 +29,13 @@ class GradInputs:
         """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
         return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
                 self.inv_temperature)
+
+
+def upstream_grads(grad_logp, grad_entropy, lse):
+    """The autograd gradients of (logp, entropy) as the kernels take them: contiguous rows in
+    lse's dtype (autograd may hand over expanded, stride-0 ones), a zero grad_logp for None,
+    and grad_entropy left None so that stage 3 skips the entropy term."""
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(lse.dtype).contiguous()
+    return grad_logp, grad_entropy
