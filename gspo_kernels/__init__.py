@@ -1,7 +1,7 @@
 """Fused GSPO policy loss: Triton and C++/CUDA kernels over the logits, checked against a
 plain PyTorch reference."""
 
-from . import reference
+from . import distributed, reference
 from .config import GSPOConfig
 from .fused_linear import FusedLinearGSPOLoss, fused_linear_gspo_loss, fused_linear_selective_log_softmax
 from .loss import GSPOLoss, gspo_loss
@@ -13,6 +13,7 @@ __all__ = [
     "FusedLinearGSPOLoss",
     "GSPOConfig",
     "GSPOLoss",
+    "distributed",
     "fused_linear_gspo_loss",
     "fused_linear_selective_log_softmax",
     "gspo_loss",

@@ -16,16 +16,16 @@ def apply(cfg: GSPOConfig, x: PolicyInputs, policy, old, rollout, entropy, entro
     weights, then zero where token selection drops a token (response-only `[N]` inputs)."""
     metrics = {}
     zero = torch.zeros((), dtype=policy.dtype, device=policy.device)
-    n_tokens = x.mask.to(policy.dtype).sum().clamp(min=1)
+    n_tokens = x.tokens_per_seq.sum().clamp(min=1)  # global already (see sequence._aggregate)
 
     def response_mean(values):
-        return (values.to(policy.dtype).sum() / n_tokens).detach().float()
+        return (x.segments.total(values.detach().to(policy.dtype)) / n_tokens).float()
 
     if cfg.rollout_correction is not None:
         weights, rejected = rollout_weights(cfg, x.segments, x.mask, x.tokens_per_seq, old, rollout)
         policy = policy * weights
         metrics["rollout_is_mean"] = response_mean(torch.where(x.mask, weights, zero))
-        metrics["rollout_is_max"] = torch.where(x.mask, weights, zero).max().detach().float()
+        metrics["rollout_is_max"] = x.segments.max(torch.where(x.mask, weights, zero)).float()
         metrics["rollout_masked_frac"] = response_mean(rejected)
     if cfg.top_entropy_quantile < 1.0:
         kept = high_entropy_tokens(cfg, entropy, x.mask, entropy_threshold)

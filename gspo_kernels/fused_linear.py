@@ -17,12 +17,15 @@ operands as they are and give float32 results (`_Operands`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import backends
 from .backends.grad_inputs import GradInputs, upstream_grads
 from .config import BACKENDS, GSPOConfig, check_temperature
+from .distributed.vocab_parallel import VocabShard, first_logit
 from .inputs import check_logits_and_targets, check_mask, prepare_batch
 from .sequence import gspo_objective
 
@@ -99,59 +102,90 @@ class _Operands:
             d_weight.addmm_(dz.t(), _as_matmul_dtype(hidden_rows))
 
 
+@dataclass(frozen=True)
+class LinearPass:
+    """How one fused-linear call runs: everything but its tensors."""
+
+    inv_temperature: float
+    backend_name: str
+    chunk: int
+    weight_grad_fp32: bool
+    shard: VocabShard | None = None  # vocab-parallel: the weight holds this rank's vocab slice
+    reduce_hidden_grad: bool = True  # with a shard: sum d hidden over the tensor-parallel group
+
+
 class FusedLinearTokenStats(torch.autograd.Function):
     """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]`, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, temperature: float, backend_name: str, chunk: int,
-                weight_grad_fp32: bool):
-        backend = backends.get(backend_name)
-        inv_t = 1.0 / temperature
+    def forward(ctx, hidden, weight, bias, targets, row_mask, how: LinearPass):
+        backend = backends.get(how.backend_name)
         rows = hidden.shape[0]
         stats_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logp, entropy, lse = (torch.empty(rows, dtype=stats_dtype, device=hidden.device) for _ in range(3))
+        owned = None
+        if how.shard is not None:
+            targets, owned = how.shard.local_targets(targets)
         ops = _Operands(weight, bias)
-        for start in range(0, rows, chunk):
-            part = slice(start, min(start + chunk, rows))
-            logp[part], entropy[part], lse[part] = backend.token_stats(ops.logits(hidden[part]), targets[part], inv_t)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask)
-        ctx.inv_t, ctx.backend_name, ctx.chunk, ctx.weight_grad_fp32 = inv_t, backend_name, chunk, weight_grad_fp32
+        for start in range(0, rows, how.chunk):
+            part = slice(start, min(start + how.chunk, rows))
+            logits = ops.logits(hidden[part])
+            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
+        if how.shard is not None:
+            # One merge for all rows after the loop: two collectives per call, not per chunk.
+            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
+        ctx.how = how
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy, row_mask = ctx.saved_tensors
-        none = (None,) * 6
+        hidden, weight, bias, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
+        how = ctx.how
+        none = (None,) * 3
         if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
-        backend = backends.get(ctx.backend_name)
+        backend = backends.get(how.backend_name)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         ops = _Operands(weight, bias)
-        d_hidden = torch.empty_like(hidden) if need_h else None
+        shard = how.shard
+        reduce_hidden = shard is not None and how.reduce_hidden_grad
+        d_hidden = None
+        if need_h:
+            # A slice's partial d hidden is summed over ranks in float32, then rounded once.
+            d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype if reduce_hidden else hidden.dtype,
+                                   device=hidden.device)
         # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own
         # dtype instead (half the buffer for 16-bit weights, one rounding per chunk; 16-bit
         # matmuls, which a GPU runs natively and a CPU slowly).
-        low_precision = not ctx.weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
+        low_precision = not how.weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
         d_weight = None
         if need_w:
             d_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_precision else ops.accum_dtype,
                                    device=weight.device)
         d_bias = torch.zeros(weight.shape[0], dtype=ops.accum_dtype, device=weight.device) if need_b else None
         rows = hidden.shape[0]
-        for start in range(0, rows, ctx.chunk):
-            part = slice(start, min(start + ctx.chunk, rows))
+        for start in range(0, rows, how.chunk):
+            part = slice(start, min(start + how.chunk, rows))
             inputs = GradInputs(targets[part], lse[part], entropy[part], grad_logp[part],
                                 None if grad_entropy is None else grad_entropy[part],
-                                None if row_mask is None else row_mask[part], ctx.inv_t)
-            dz = backend.logits_grad_(ops.logits(hidden[part]), inputs)  # in place over the chunk's logits
+                                None if row_mask is None else row_mask[part], how.inv_temperature)
+            logits = ops.logits(hidden[part])
+            column0 = None if shard is None else first_logit(logits)
+            dz = backend.logits_grad_(logits, inputs)  # in place over the chunk's logits
+            if shard is not None:
+                shard.fix_foreign_rows(dz, column0, inputs, owned[part])
             if need_h:
                 d_hidden[part] = ops.hidden_grad(dz)
             if need_w:
                 ops.add_weight_grad(d_weight, dz, hidden[part])
             if need_b:
                 d_bias += dz.sum(0)
+        if need_h and reduce_hidden:
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=shard.group)
+            d_hidden = d_hidden.to(hidden.dtype)
         return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype)) + none
 
@@ -192,18 +226,39 @@ def _logits_stand_in(hidden, weight):
     return torch.empty_strided(shape, (0,) * len(shape), dtype=hidden.dtype, device=hidden.device)
 
 
-def _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size, weight_grad_fp32):
-    if not isinstance(weight_grad_fp32, bool):
-        raise TypeError(f"weight_grad_fp32 must be a bool; got {type(weight_grad_fp32).__name__}")
-    resolved = backends.resolve(backend, _logits_stand_in(hidden, weight))
-    chunk = chunk_size or default_chunk_rows(rows.shape[0], weight.shape[0], hidden.device)
-    return FusedLinearTokenStats.apply(rows, weight, bias, targets_flat, row_mask, temperature, resolved, chunk,
-                                       weight_grad_fp32)
+@dataclass(frozen=True)
+class LinearOptions:
+    """The fused-linear keywords of a call, before they are checked and resolved."""
+
+    temperature: float
+    backend: str
+    chunk_size: int | None
+    weight_grad_fp32: bool
+    tp_group: object = None
+    vocab_start: int | None = None
+    reduce_hidden_grad: bool = True
+
+    def resolve(self, rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> LinearPass:
+        for name in ("weight_grad_fp32", "reduce_hidden_grad"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+        resolved = backends.resolve(self.backend, _logits_stand_in(hidden, weight))
+        chunk = self.chunk_size or default_chunk_rows(rows.shape[0], weight.shape[0], hidden.device)
+        shard = VocabShard.of(self.tp_group, self.vocab_start, weight.shape[0])
+        return LinearPass(1.0 / self.temperature, resolved, chunk, self.weight_grad_fp32, shard,
+                          self.reduce_hidden_grad)
+
+
+def _stats(rows, hidden, weight, bias, targets_flat, row_mask, options: LinearOptions):
+    how = options.resolve(rows, hidden, weight)
+    return FusedLinearTokenStats.apply(rows, weight, bias, targets_flat, row_mask, how)
 
 
 def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, chunk_size=None,
-                           weight_grad_fp32=True, mask=None, cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None, normalizer=None,
-                           entropy_threshold=None, config: GSPOConfig | None = None, **options):
+                           weight_grad_fp32=True, mask=None, cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None,
+                           normalizer=None, entropy_threshold=None, tp_group=None, vocab_start=None, cp_group=None,
+                           reduce_hidden_grad=True, config: GSPOConfig | None = None, **options):
     """gspo_loss on the logits `hidden @ weight.T + bias`, never holding them whole.
 
     hidden: `(B, T, H)` or `(N, H)` (strided rows such as `hidden[:, :-1]` are copied once into
@@ -211,6 +266,11 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     device. Every other argument and option is gspo_loss's. chunk_size: rows per chunk (None:
     default_chunk_rows). Gradients flow to hidden, weight and bias; `d weight` accumulates in
     float32 unless weight_grad_fp32=False (then in the weight's dtype: half the buffer).
+
+    Distributed: tp_group when weight (and bias) hold this rank's vocab slice (vocab_start as
+    in gspo_loss); `d hidden` is then summed over tp_group, unless reduce_hidden_grad=False,
+    for a framework whose own layer all-reduces the input gradient (Megatron's
+    copy_to_tensor_model_parallel_region does). cp_group as in gspo_loss.
     """
     if config is None:
         config = GSPOConfig(**options)
@@ -219,25 +279,29 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     rows = _check_linear(hidden, weight, bias, chunk_size)
     batch = prepare_batch(config, _logits_stand_in(hidden, weight), target_ids, old_logprobs, advantages, mask=mask,
                           cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                          normalizer=normalizer, entropy_threshold=entropy_threshold)
-    logp, entropy = _stats(rows, hidden, weight, bias, batch.targets, batch.mask, config.temperature,
-                           config.backend, chunk_size, weight_grad_fp32)
+                          normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group)
+    options = LinearOptions(config.temperature, config.backend, chunk_size, weight_grad_fp32, tp_group, vocab_start,
+                            reduce_hidden_grad)
+    logp, entropy = _stats(rows, hidden, weight, bias, batch.targets, batch.mask, options)
     return gspo_objective(config, batch, logp, entropy)
 
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
                                        return_entropy=False, chunk_size=None, backend="auto", mask=None,
-                                       weight_grad_fp32=True):
+                                       weight_grad_fp32=True, tp_group=None, vocab_start=None,
+                                       reduce_hidden_grad=True):
     """selective_log_softmax on the logits `hidden @ weight.T + bias`, chunk by chunk, with
-    the full backward (entropy gradient included) to hidden, weight and bias."""
+    the full backward (entropy gradient included) to hidden, weight and bias. tp_group,
+    vocab_start and reduce_hidden_grad as in fused_linear_gspo_loss."""
     temperature = check_temperature(temperature)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     rows = _check_linear(hidden, weight, bias, chunk_size)
     targets_flat = check_logits_and_targets(_logits_stand_in(hidden, weight), target_ids)
     row_mask = None if mask is None else check_mask(mask, target_ids.shape, hidden.device)
-    logp, entropy = _stats(rows, hidden, weight, bias, targets_flat, row_mask, temperature, backend, chunk_size,
-                           weight_grad_fp32)
+    options = LinearOptions(temperature, backend, chunk_size, weight_grad_fp32, tp_group, vocab_start,
+                            reduce_hidden_grad)
+    logp, entropy = _stats(rows, hidden, weight, bias, targets_flat, row_mask, options)
     logp = logp.reshape(target_ids.shape)
     return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import GSPOConfig
+from .distributed.collectives import check_group
 from .segments import Segments
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -113,11 +114,11 @@ def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> None:
     torch._assert_async(valid, "cu_seqlens must start at 0, be non-decreasing and end at N")
 
 
-def _segments(logits, cu_seqlens) -> Segments:
+def _segments(logits, cu_seqlens, cp_group) -> Segments:
     if logits.dim() == 3:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens is for packed (N, V) logits; padded (B, T, V) logits take none")
-        return Segments.padded(logits.shape[0], logits.shape[1])
+        return Segments.padded(logits.shape[0], logits.shape[1], cp_group)
     if cu_seqlens is None:
         raise ValueError(
             "2-D logits are the packed layout (N, V) and need cu_seqlens (S+1,); "
@@ -131,7 +132,7 @@ def _segments(logits, cu_seqlens) -> Segments:
     if cu.device != logits.device and cu.device.type != "cpu":
         raise ValueError(f"cu_seqlens is on {cu.device} but logits are on {logits.device}")
     _check_cu_seqlens(cu, logits.shape[0])
-    return Segments.packed(cu.to(device=logits.device, dtype=torch.int64), logits.shape[0])
+    return Segments.packed(cu.to(device=logits.device, dtype=torch.int64), logits.shape[0], cp_group)
 
 
 def _advantages(value, segments: Segments, token_shape, device) -> tuple[torch.Tensor, bool]:
@@ -208,12 +209,29 @@ def _entropy_threshold(config: GSPOConfig, value, device):
     return torch.tensor(float(value), device=device)
 
 
+def _check_context_parallel(config: GSPOConfig, cp_group, entropy_threshold, max_len_needed: bool) -> None:
+    """What a rank cannot compute from its own part of each sequence: say so, not guess."""
+    if cp_group is None:
+        return
+    check_group("cp_group", cp_group)
+    if config.top_entropy_quantile < 1.0 and entropy_threshold is None:
+        raise ValueError("top_entropy_quantile with cp_group needs entropy_threshold: the quantile over "
+                         "every rank's tokens, which one rank's part of the sequences cannot give")
+    if max_len_needed:
+        raise ValueError("loss_agg='seq-mean-token-sum-norm' with cp_group needs max_len: this rank's T is "
+                         "only its part of the horizon")
+
+
 def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *,
                   mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None, rollout_logprobs=None,
-                  entropy_threshold=None) -> LossBatch:
+                  entropy_threshold=None, cp_group=None) -> LossBatch:
+    """cp_group: the context-parallel group whose ranks hold the other parts of every sequence
+    (README, Distributed), or None."""
     targets = check_logits_and_targets(logits, target_ids)
     device, token_shape = logits.device, target_ids.shape
-    segments = _segments(logits, cu_seqlens)
+    _check_context_parallel(config, cp_group, entropy_threshold,
+                            config.loss_agg == "seq-mean-token-sum-norm" and config.max_len is None)
+    segments = _segments(logits, cu_seqlens, cp_group)
     adv, adv_per_token = _advantages(advantages, segments, token_shape, device)
     ref = _per_token_logprobs("ref_logprobs", ref_logprobs, token_shape, device)
     if config.beta > 0 and ref is None:

@@ -7,15 +7,19 @@ import torch
 
 from . import backends
 from .config import GSPOConfig
+from .distributed.vocab_parallel import VocabShard
 from .inputs import prepare_batch
 from .sequence import gspo_objective
 from .token_stats import token_stats
 
 
-def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, **per_call):
+def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *, tp_group=None,
+                           vocab_start=None, **per_call):
     batch = prepare_batch(config, logits, target_ids, old_logprobs, advantages, **per_call)
     backend_name = backends.resolve(config.backend, logits)
-    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace, batch.mask)
+    shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
+    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace, batch.mask,
+                                shard)
     return gspo_objective(config, batch, logp, entropy)
 
 
@@ -31,6 +35,9 @@ def gspo_loss(
     rollout_logprobs: torch.Tensor | None = None,
     normalizer: torch.Tensor | float | None = None,
     entropy_threshold: torch.Tensor | float | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    cp_group=None,
     config: GSPOConfig | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -51,6 +58,11 @@ def gspo_loss(
     when ref_logprobs is given, and those of the corrections in use. With inplace=True the
     backward pass may overwrite the logits with their gradient: do not read the logits after
     calling backward.
+
+    Distributed (README, Distributed): tp_group for vocab-parallel logits (this rank's slice
+    of V starting at vocab_start, default rank * V_local; global target ids), cp_group for
+    context parallelism (this rank's part of every sequence). Every rank then returns the
+    loss and metrics of the whole problem, and its gradient is its slice of the whole one.
     """
     if config is None:
         config = GSPOConfig(**options)
@@ -59,7 +71,7 @@ def gspo_loss(
     return _gspo_loss_with_config(
         config, logits, target_ids, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
         ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
-        entropy_threshold=entropy_threshold,
+        entropy_threshold=entropy_threshold, tp_group=tp_group, vocab_start=vocab_start, cp_group=cp_group,
     )
 
 
@@ -76,7 +88,7 @@ class GSPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, old_logprobs, advantages, **tensors):
         """Takes gspo_loss's per-call keywords: mask, cu_seqlens, ref_logprobs,
-        rollout_logprobs, normalizer, entropy_threshold."""
+        rollout_logprobs, normalizer, entropy_threshold, tp_group, vocab_start, cp_group."""
         return _gspo_loss_with_config(self.config, logits, target_ids, old_logprobs, advantages, **tensors)
 
     def extra_repr(self) -> str:

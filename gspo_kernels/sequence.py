@@ -57,11 +57,13 @@ def _importance_ratio(config: GSPOConfig, batch: LossBatch, logp, log_ratio, seq
     return torch.exp(clamp(log_ratio))
 
 
-def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, mask_f, tokens_per_seq):
+def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, tokens_per_seq):
     if config.loss_agg in ("token-mean", "token-sum"):
-        count = mask_f.sum().clamp(min=1) if config.loss_agg == "token-mean" else 1.0
+        # Every row lies in a sequence, so the token count is the sum of the (already global)
+        # per-sequence counts: no second reduction across ranks.
+        count = tokens_per_seq.sum().clamp(min=1) if config.loss_agg == "token-mean" else 1.0
         denom = batch.normalizer if batch.normalizer is not None else count
-        return per_token.sum() / denom
+        return batch.segments.total(per_token) / denom
     per_seq = batch.segments.seq_sum(per_token)
     if config.loss_agg == "seq-mean-token-mean":
         per_seq = per_seq / tokens_per_seq.clamp(min=1)
@@ -113,7 +115,7 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
         per_token = per_token - config.entropy_coef * entropy_r
     per_token = response_only(per_token)
 
-    loss = _aggregate(config, batch, per_token, mask_f, tokens_per_seq)
+    loss = seg.replicated_loss(_aggregate(config, batch, per_token, tokens_per_seq))
     metrics = _metrics(batch, logp, entropy, entropy_r, term, torch.exp(clamp(seq_log_ratio)), kl, mask_f,
                        tokens_per_seq)
     metrics.update(extra)
@@ -122,15 +124,16 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
 
 @torch.no_grad()
 def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, tokens_per_seq):
-    n_tokens = mask_f.sum().clamp(min=1)
+    n_tokens = tokens_per_seq.sum().clamp(min=1)
     mask = batch.mask
     low, high = mask & term.clipped_low, mask & term.clipped_high
     seg = batch.segments
     nonempty = tokens_per_seq > 0
     n_seqs = nonempty.sum().clamp(min=1)
-
-    def fraction(flags):
-        return (flags.to(mask_f.dtype).sum() / n_tokens).float()
+    # The token sums behind the means, reduced across ranks together (one collective).
+    summed = [low | high, low, high, entropy_r] + ([] if kl is None else [kl])
+    sums = seg.reduce(torch.stack([x.to(mask_f.dtype).sum() for x in summed]))
+    means = (sums / n_tokens).float().unbind(0)
 
     def per_sequence(flags):
         # TRL's view: each non-empty sequence's fraction of clipped tokens, averaged over sequences.
@@ -141,13 +144,13 @@ def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, token
         "token_logprobs": logp.detach().float().reshape(batch.token_shape),
         "entropy": entropy.detach().float().reshape(batch.token_shape),
         "seq_ratio": seq_ratio.detach().float(),
-        "clip_frac": fraction(low | high),
-        "clip_frac_low": fraction(low),
-        "clip_frac_high": fraction(high),
+        "clip_frac": means[0],
+        "clip_frac_low": means[1],
+        "clip_frac_high": means[2],
         "seq_clip_frac_low": per_sequence(low),
         "seq_clip_frac_high": per_sequence(high),
-        "entropy_mean": (entropy_r.detach().sum() / n_tokens).float(),
+        "entropy_mean": means[3],
     }
     if kl is not None:
-        metrics["kl"] = (kl.detach().sum() / n_tokens).float()
+        metrics["kl"] = means[4]
     return metrics

@@ -15,6 +15,7 @@ from . import backends
 from .backends.grad_inputs import GradInputs, upstream_grads
 from .backends.layout import writable_in_place
 from .config import BACKENDS, check_temperature
+from .distributed.vocab_parallel import VocabShard, first_logit
 from .inputs import check_logits_and_targets, check_mask
 
 
@@ -26,11 +27,18 @@ class TokenStatsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool):
+    def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool,
+                shard: VocabShard | None):
         backend = backends.get(backend_name)
         inv_temperature = 1.0 / temperature
+        owned = None
+        if shard is not None:
+            targets, owned = shard.local_targets(targets)
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
-        ctx.save_for_backward(logits, targets, lse, entropy, row_mask)
+        if shard is not None:
+            logp, entropy, lse = shard.merge(logp, entropy, lse, owned)
+        ctx.save_for_backward(logits, targets, lse, entropy, row_mask, owned)
+        ctx.shard = shard
         ctx.inv_temperature = inv_temperature
         ctx.backend_name = backend_name
         ctx.inplace = inplace
@@ -40,26 +48,31 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        no_grads = (None,) * 6
+        no_grads = (None,) * 7
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
-        logits, targets, lse, entropy, row_mask = ctx.saved_tensors
+        logits, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
         backend = backends.get(ctx.backend_name)
+        shard = ctx.shard
+        column0 = None if shard is None else first_logit(logits)
         if ctx.inplace and writable_in_place(logits):
             grad = backend.logits_grad_(logits, inputs)
             # The saved logits now hold the gradient: a second backward must fail loudly.
             torch.autograd.graph.increment_version(logits)
         else:
             grad = backend.logits_grad(logits, inputs)
+        if shard is not None:
+            shard.fix_foreign_rows(grad, column0, inputs, owned)
         return (grad,) + no_grads[1:]
 
 
 def token_stats(logits, targets_flat, temperature: float, backend_name: str, inplace: bool = False,
-                row_mask: torch.Tensor | None = None):
-    """Stage 1 with autograd: `[N]` logp and entropy in float32 (float64 for float64 logits)."""
-    return TokenStatsFunction.apply(logits, targets_flat, row_mask, temperature, backend_name, inplace)
+                row_mask: torch.Tensor | None = None, shard: VocabShard | None = None):
+    """Stage 1 with autograd: `[N]` logp and entropy in float32 (float64 for float64 logits).
+    With a vocab shard the logits are this rank's slice and the results are the global ones."""
+    return TokenStatsFunction.apply(logits, targets_flat, row_mask, temperature, backend_name, inplace, shard)
 
 
 def selective_log_softmax(
@@ -71,6 +84,8 @@ def selective_log_softmax(
     backend: str = "auto",
     inplace: bool = False,
     mask: torch.Tensor | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
 ):
     """log_softmax(logits / temperature) gathered at target_ids, without a `[N, V]` buffer.
 
@@ -86,6 +101,11 @@ def selective_log_softmax(
     as -100), and backward does not read them. Without a mask every row is in use: a target
     id outside [0, V), or a row with a NaN or +inf logit (or all -inf), gives a NaN log-prob
     and a NaN gradient row, whatever the upstream gradient.
+
+    tp_group: vocab-parallel logits (README, Distributed): `logits` hold this rank's slice
+    [vocab_start, vocab_start + V_local) of the vocabulary (vocab_start defaults to rank *
+    V_local), target_ids are global ids, the results are the global ones on every rank, and
+    backward writes this slice's gradient.
     """
     temperature = check_temperature(temperature)
     if backend not in BACKENDS:
@@ -93,7 +113,8 @@ def selective_log_softmax(
     targets_flat = check_logits_and_targets(logits, target_ids)
     row_mask = None if mask is None else check_mask(mask, target_ids.shape, logits.device)
     resolved = backends.resolve(backend, logits)
-    logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask)
+    shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
+    logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard)
     logp = logp.reshape(target_ids.shape)
     if return_entropy:
         return logp, entropy.reshape(target_ids.shape)

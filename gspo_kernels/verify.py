@@ -190,3 +190,37 @@ def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weig
         if leaf is not None:
             errors[name], limits[name] = relative_error(leaf.grad, ref.grad), tol.grad
     return CaseResult(errors=errors, limits=limits)
+
+
+def run_group_of_one(problem: Problem, backend: str, group, operands=None) -> CaseResult:
+    """The distributed code paths on a process group of one rank (tp_group and cp_group both
+    set; the fused-linear form too when `operands` are given) against the same backend with
+    no group: the collectives then add nothing, so the results must agree to rounding. The
+    GPU script runs this on NCCL, the tests on gloo."""
+    args, kwargs = problem.loss_args()
+    errors, limits = {}, {}
+
+    def both(run):
+        plain, split = run({}), run({"tp_group": group, "cp_group": group})
+        for name in plain:
+            errors[name] = relative_error(split[name], plain[name], floor=1e-6)
+            limits[name] = 1e-6
+
+    def logits_path(groups):
+        logits = args[0].detach().clone().requires_grad_()
+        loss, metrics = gspo_loss(logits, *args[1:], backend=backend, **kwargs, **groups)
+        loss.backward()
+        return {"loss": loss, "token_logprobs": metrics["token_logprobs"], "grad_logits": logits.grad}
+
+    both(logits_path)
+    if operands is not None:
+        def linear_path(groups):
+            leaves = [t.detach().clone().requires_grad_() for t in operands]
+            kw = {k: v for k, v in kwargs.items() if k != "temperature"}
+            loss, _ = fused_linear_gspo_loss(leaves[0], leaves[1], *args[1:], bias=leaves[2], chunk_size=7,
+                                             backend=backend, **kw, **groups)
+            loss.backward()
+            return {f"linear_{n}": t for n, t in zip(("loss", "grad_hidden", "grad_weight"),
+                                                     (loss, leaves[0].grad, leaves[1].grad))}
+        both(linear_path)
+    return CaseResult(errors=errors, limits=limits)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import torch
@@ -60,7 +61,28 @@ def _run_linear(args, device: str) -> int:
     return 1 if failed else 0
 
 
+def _run_distributed(args) -> int:
+    """Two (or more) gloo processes on this CPU, for each split: communication and time."""
+    from ..bench import distributed
+
+    rows, vocab = (int(x) for x in args.distributed.split("x")) if args.distributed != "default" else (2048, 32768)
+    if args.dtype not in DTYPES:
+        print(f"dtypes are {', '.join(DTYPES)}")
+        return 2
+    cfg = distributed.DistributedBench(rows=rows, vocab=vocab, dtype=str(DTYPES[args.dtype]).removeprefix("torch."),
+                                       reps=args.reps)
+    result = distributed.run(cfg)
+    print(distributed.format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result | {"meta": machine_meta("cpu", float("nan"))}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def run(args) -> int:
+    if args.distributed:
+        return _run_distributed(args)
     on_gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if on_gpu else "cpu"
     if args.linear:
@@ -125,4 +147,7 @@ def add_parser(commands) -> None:
                    help="fused-linear problems instead (comma-separated NxHxV; default: "
                         f"{LINEAR_CPU_SHAPES} on CPU, {LINEAR_GPU_SHAPES} on GPU); providers: "
                         f"{', '.join(LINEAR_PROVIDERS)}")
+    p.add_argument("--distributed", nargs="?", const="default",
+                   help="tensor-, context- and data-parallel GSPO on 2 gloo processes against one process "
+                        "(NxV, default 2048x32768), with the communication each split needs")
     p.set_defaults(run=run)

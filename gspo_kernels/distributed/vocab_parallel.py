@@ -1,0 +1,120 @@
+"""Vocab-parallel token stats: each rank of a tensor-parallel group holds a contiguous slice
+of the vocabulary (Megatron's vocab-parallel lm_head), and a row's softmax spans the ranks.
+
+Stage 1 runs the backend's kernel on the local slice, with the targets this rank owns made
+local (the others point at column 0, a valid read). Its per-row (lse_k, H_k, logp_k) are the
+partial statistics of the slice; two collectives on `[N]`-sized tensors merge them, the
+same merge the kernels do between vocab blocks:
+
+    M   = max_k lse_k                              (all_reduce MAX)
+    S0  = sum_k exp(lse_k - M)                     (one all_reduce SUM of five rows)
+    S1  = sum_k exp(lse_k - M) * E_k[z - M]        E_k[z] = lse_k - H_k, the slice's mean
+    S2  = (z_y - M) on the owning rank, else 0     z_y = logp_k + lse_k there
+    lse = M + log S0,   H = log S0 - S1 / S0,   logp = S2 - log S0
+
+plus how many ranks own the target (exactly one, or the target is outside the global vocab
+or the slices overlap or leave a gap there) and how many have a NaN or +inf in their slice.
+Stage 2 then runs identically on every rank. Stage 3 needs no collective: the kernel, given
+the global lse and H, writes this slice's gradient; only the rows whose target lives on
+another rank carry a one-hot term they must not have, at column 0, which is rewritten from
+the formula (an O(N) fix-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..backends.grad_inputs import GradInputs
+from .collectives import all_reduce_max, check_group
+
+# Same constant as csrc/gspo_math.h and the torch backend: log p below this is p = 0.
+_LOG_FLOOR = -200.0
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice [vocab_start, vocab_start + local_vocab) of the vocabulary."""
+
+    group: object
+    vocab_start: int
+    local_vocab: int
+
+    @staticmethod
+    def of(group, vocab_start, local_vocab: int) -> "VocabShard | None":
+        if group is None:
+            if vocab_start is not None:
+                raise ValueError("vocab_start is the start of this rank's vocab slice and needs tp_group")
+            return None
+        check_group("tp_group", group)
+        if vocab_start is None:
+            # Megatron's convention: equal contiguous slices in rank order.
+            vocab_start = dist.get_rank(group) * local_vocab
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(f"vocab_start must be an int >= 0 (a global vocab id); got {vocab_start!r}")
+        return VocabShard(group, vocab_start, local_vocab)
+
+    def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel targets, owned): ids made local, and column 0 for the rows this rank does
+        not own, so that the kernels neither read outside the slice nor flag the row NaN."""
+        local = targets - self.vocab_start
+        owned = (local >= 0) & (local < self.local_vocab)
+        return torch.where(owned, local, torch.zeros_like(local)), owned
+
+    def merge(self, logp_k, entropy_k, lse_k, owned):
+        """The global (logp, entropy, lse) of each row from this slice's stats; lse is NaN for
+        a row with no finite softmax or no single owner of its target, so that stage 3's row
+        rule turns such a row (when in the loss) into NaN, as on one process."""
+        bad = torch.isnan(lse_k) | (lse_k == float("inf"))
+        peak = all_reduce_max(torch.where(bad, torch.full_like(lse_k, float("-inf")), lse_k), self.group)
+        shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        rel = lse_k - shift
+        weight = torch.exp(rel)
+        has_mass = weight > 0  # a slice whose logits are all -inf adds nothing (its H_k is NaN)
+        zero = torch.zeros_like(weight)
+        mean_rel = torch.where(has_mass, weight * (rel - entropy_k), zero)
+        # logp_k + rel = z_y - shift; an all -inf slice holding the target gives z_y = -inf.
+        target_rel = torch.where(has_mass, logp_k + rel, torch.full_like(rel, float("-inf")))
+        parts = torch.stack([
+            torch.where(bad, zero, weight),
+            torch.where(bad, zero, mean_rel),
+            torch.where(owned & ~bad, target_rel, zero),
+            owned.to(weight.dtype),
+            bad.to(weight.dtype),
+        ])
+        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=self.group)
+        mass, mean_total, target_total, owners, n_bad = parts.unbind(0)
+        log_mass = torch.log(mass)
+        no_softmax = (n_bad > 0) | (mass == 0)
+        nan = torch.full_like(mass, float("nan"))
+        entropy = torch.where(no_softmax, nan, log_mass - mean_total / mass)
+        logp = torch.where(no_softmax | (owners != 1), nan, target_total - log_mass)
+        lse = torch.where(no_softmax | (owners != 1), nan, shift + log_mass)
+        return logp, entropy, lse
+
+    def fix_foreign_rows(self, grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs,
+                         owned: torch.Tensor) -> None:
+        """Rewrites column 0 of `grad` (the slice's gradient, `[..., V_local]`) for the rows in
+        the loss whose target is on another rank: there the kernel added the one-hot term
+        g / T at column 0, where the true gradient has only the softmax term.
+        first_logit: `[N]` the logits at column 0, read before an in-place kernel ran."""
+        foreign = ~owned
+        if inputs.row_mask is not None:
+            foreign = foreign & inputs.row_mask
+        inv_t = inputs.inv_temperature
+        dtype = inputs.lse.dtype
+        log_p = first_logit.to(dtype) * inv_t - inputs.lse
+        coef = inputs.grad_logp
+        if inputs.grad_entropy is not None:
+            coef = coef + inputs.grad_entropy * (log_p.clamp(min=_LOG_FLOOR) + inputs.entropy)
+        value = -torch.exp(log_p) * coef * inv_t
+        column = grad.select(-1, 0)
+        fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))
+        column.copy_(fixed.reshape(column.shape))
+
+
+def first_logit(logits: torch.Tensor) -> torch.Tensor:
+    """`[N]` copy of column 0 of `(B, T, V)` or `(N, V)` logits (any row strides)."""
+    return logits.select(-1, 0).reshape(-1).clone()
