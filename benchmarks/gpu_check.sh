@@ -4,7 +4,9 @@
 # triton backends against the float64 reference (fp32/bf16/fp16, padded and packed, V = 1000
 # and V = 151936), runs compute-sanitizer memcheck over every CUDA kernel variant, runs the test
 # suite on the GPU, and benchmarks forward + backward at N = 16384, V = 151936, bf16 against
-# the byte floor, and the fused-linear loss at N = 16384, H = 4096, V = 151936. Logs and JSON go to $OUT (the device tool brings them back).
+# the byte floor, and the fused-linear loss at N = 16384, H = 4096, V = 151936; runs the
+# distributed code paths on NCCL in a group of one GPU. Logs and JSON go to $OUT (the device
+# tool brings them back).
 #
 #   device run:  bash benchmarks/gpu_check.sh          (timeout_s ~ 600)
 #   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
@@ -40,6 +42,9 @@ grep -h "FAIL" "$OUT"/check_v*.txt | head -n 20
 
 step "compute-sanitizer memcheck"
 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/sanitizer_probe.py 2>&1 | tee "$OUT/memcheck.txt" | tail -n 4 || status=1
+
+step "distributed: the NCCL path in a group of one GPU"
+timeout 120 "$PY" benchmarks/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9 || status=1
 
 step "test suite on the GPU"
 # The GPU backends only (the cpu and torch ones ran in CI): the row rule, packed isolation,

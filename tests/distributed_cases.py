@@ -50,25 +50,33 @@ class Case:
         return "-".join(parts)
 
 
+def _cpu_backends() -> tuple[str, ...]:
+    """Backends that run on CPU tensors here: Triton only through its interpreter."""
+    triton = gk.backends.triton_backend
+    return ("torch", "triton") if triton is not None and triton.INTERPRETED else ("torch",)
+
+
 def cases(world: int) -> list[Case]:
     """The grid for one world size (4 is the 2 x 2 tp x cp mesh)."""
+    extra_backends = _cpu_backends()
     if world == 4:
         grid = [Case("tpcp", layout, level, agg) for layout in ("padded", "packed") for level in LEVELS
                 for agg in LOSS_AGGS]
         grid += [Case("tpcp", layout, linear=True) for layout in ("padded", "packed")]
-        grid += [Case("tpcp", "packed", backend=b) for b in ("torch", "triton")]
+        grid += [Case("tpcp", "packed", backend=b) for b in extra_backends]
         return grid
     grid = []
     for split in ("tp", "cp", "dp"):
         grid += [Case(split, layout, level, agg) for layout in ("padded", "packed") for level in LEVELS
                  for agg in LOSS_AGGS]
         grid += [Case(split, layout, level, backend=b, dtype="float64" if b == "torch" else "float32")
-                 for layout in ("padded", "packed") for level in LEVELS for b in ("torch", "triton")]
+                 for layout in ("padded", "packed") for level in LEVELS for b in extra_backends]
         grid += [Case(split, layout, linear=True, loss_agg=agg) for layout in ("padded", "packed")
                  for agg in ("seq-mean-token-mean", "token-mean")]
         grid += [Case(split, "packed", options=opts) for opts in EXTRA_OPTIONS]
     grid += [Case("tp", "padded", even_vocab=True), Case("tp", "packed", even_vocab=True, linear=True),
-             Case("tp", "padded", dtype="bfloat16"), Case("tp", "padded", backend="triton", dtype="bfloat16"),
+             Case("tp", "padded", dtype="bfloat16"),
+             *[Case("tp", "padded", backend=b, dtype="bfloat16") for b in extra_backends if b == "triton"],
              Case("tp", "padded", entry="selective"), Case("tp", "packed", entry="selective", linear=True),
              Case("tp", "padded", linear=True, options=(("reduce_hidden_grad", False),))]
     return grid

@@ -163,7 +163,7 @@ def format_result(result: dict) -> str:
     lines = [
         f"Distributed GSPO, {cfg['world']} gloo processes (1 thread each) against 1 process ({cfg['world']} threads), "
         f"{cfg['dtype']} logits, fwd+bwd, backend auto.",
-        f"Communication: payload per rank per step at N = {cfg['count_rows']} (it does not depend on V); the "
+        f"Communication: payload per rank per step at N = {cfg['count_rows']} (all [N]- or [S]-sized: V never enters); the "
         f"baseline gathers the bf16 logits at V = {cfg['count_vocab']}: N x V x 2 = {gather / 2**20:,.0f} MiB.",
         "",
         f"| split | collectives fwd / bwd | payload per rank | vs logits gather | "
@@ -174,6 +174,6 @@ def format_result(result: dict) -> str:
     for split, r in result["splits"].items():
         calls, nbytes = r["calls"], sum(r["bytes"].values())
         lines.append(
-            f"| {split} | {calls.get('forward', 0)} / {calls.get('backward', 0)} | {nbytes / 2**10:,.1f} KiB | "
+            f"| {split} | {calls.get('forward', 0)} / {calls.get('backward', 0)} | {nbytes:,} B | "
             f"{nbytes / gather:.2e} | {r['ms']:.1f} | {single:.1f} | {r['ms'] / single:.2f}x |")
     return "\n".join(lines)
