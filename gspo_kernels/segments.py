@@ -86,8 +86,9 @@ class Segments:
         return self.reduce(x.sum())
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
-        """The max of an `[N]` per-row tensor over every rank's rows (detached)."""
-        local = x.detach().max() if x.numel() else x.new_full((), float("-inf"))
+        """The max of a non-negative `[N]` per-row tensor over every rank's rows (detached;
+        0 where no rank has a row)."""
+        local = x.detach().max() if x.numel() else x.new_zeros(())
         return all_reduce_max(local, self.group)
 
     def per_row(self, v: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Case:
     linear: bool = False  # fused linear from hidden states and the lm_head weight
     even_vocab: bool = False  # V divisible by the tp size, default vocab_start
     entry: str = "loss"  # or selective (selective_log_softmax with entropy)
+    edges: bool = False  # rows that stress the vocab-parallel merge (selective, padded only)
     options: tuple = field(default_factory=tuple)  # extra GSPOConfig options, (key, value) pairs
 
     @property
@@ -46,6 +47,8 @@ class Case:
             parts.append("even_vocab")
         if self.entry != "loss":
             parts.append(self.entry)
+        if self.edges:
+            parts.append("edges")
         parts += [f"{k}={v}" for k, v in self.options]
         return "-".join(parts)
 
@@ -64,6 +67,10 @@ def cases(world: int) -> list[Case]:
                 for agg in LOSS_AGGS]
         grid += [Case("tpcp", layout, linear=True) for layout in ("padded", "packed")]
         grid += [Case("tpcp", "packed", backend=b) for b in extra_backends]
+        grid += [Case("tpcp", "padded", dtype="bfloat16"), Case("tpcp", "packed", options=EXTRA_OPTIONS[0]),
+                 Case("tpcp", "packed", options=EXTRA_OPTIONS[5])]
+        grid += [Case("dpcp", layout, level, agg) for layout in ("padded", "packed") for level in ("sequence", "token")
+                 for agg in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")]
         return grid
     grid = []
     for split in ("tp", "cp", "dp"):
@@ -78,7 +85,10 @@ def cases(world: int) -> list[Case]:
              Case("tp", "padded", dtype="bfloat16"),
              *[Case("tp", "padded", backend=b, dtype="bfloat16") for b in extra_backends if b == "triton"],
              Case("tp", "padded", entry="selective"), Case("tp", "packed", entry="selective", linear=True),
-             Case("tp", "padded", linear=True, options=(("reduce_hidden_grad", False),))]
+             Case("tp", "padded", linear=True, options=(("reduce_hidden_grad", False),)),
+             Case("tp", "padded", options=(("inplace", True),)), Case("tp", "packed", linear=True, dtype="bfloat16")]
+    grid += [Case("tp", "padded", backend=b, dtype="float64" if b == "torch" else "float32", entry="selective",
+                  edges=True) for b in ("cpu",) + extra_backends]
     return grid
 
 
@@ -95,7 +105,25 @@ EXTRA_OPTIONS = (
 
 # --- the whole problem -------------------------------------------------------------------------
 
-def _whole_problem(case: Case, vocab: int, seed: int) -> dict:
+def _stress_rows(p: dict, vocab: int, world: int) -> None:
+    """Rows of sequence 0 that stress the merge across the ranks' vocab slices; the first rank's
+    slice is [0, first)."""
+    first = even_parts(vocab, world)[0][1]
+    logits, targets, mask = p["logits"], p["targets"], p["mask"]
+    row = logits[0]
+    mask[0, :6] = True
+    targets[0, :6] = torch.tensor([first + 1, first + 2, 1, 2, vocab + 3, first])
+    row[0, :first] = 130.0  # the target's slice lies ~130 below the peak: its weight underflows
+    row[1, :first] = float("-inf")  # a slice with no mass
+    row[2, :first] = float("-inf")  # ... holding the target: logp = -inf
+    row[3, 0] = float("nan")  # a NaN logit in the loss: NaN log-prob, NaN gradient row
+    row[4, :] = row[4, :] * 3  # a target outside the global vocab: NaN log-prob and gradient row
+    row[5, first + 2] = float("inf")  # +inf on another rank's slice than the target's
+    mask[0, 6] = False
+    row[6, 1] = float("nan")  # outside the loss: zeros, whatever it holds
+
+
+def _whole_problem(case: Case, vocab: int, seed: int, world: int = 2) -> dict:
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     if case.layout == "padded":
@@ -121,9 +149,12 @@ def _whole_problem(case: Case, vocab: int, seed: int) -> dict:
     else:
         logits = torch.randn(*token_shape, vocab, generator=gen, dtype=torch.float64) * 2.0
         p["logits"] = logits.to(dtype)
+    if case.edges:
+        _stress_rows(p, vocab, world)
+        logits = p["logits"].double()
     # Old, reference and rollout log-probs near the current ones: ratios inside and outside
     # the clip range, none on its edge.
-    current = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    current = torch.log_softmax(logits, -1).gather(-1, targets.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     for name, scale in (("old_logprobs", 0.08), ("ref_logprobs", 0.2), ("rollout_logprobs", 0.05)):
         p[name] = (current + torch.randn(token_shape, generator=gen, dtype=torch.float64) * scale).float()
     return p
@@ -184,11 +215,17 @@ def _view(case: Case, p: dict, rank: int, world: int, groups: dict, vocab: int) 
         view.rows, view.cu_seqlens = part.rows, part.cu_seqlens
         view.token_shape = (BATCH, part.columns[1] - part.columns[0]) if part.columns else (part.rows.numel(),)
         view.groups["cp_group"] = groups["cp"]
-    if case.split == "dp":
-        part, view.seqs = data_part(rank, world, BATCH, SEQ_LEN, p["cu_seqlens"])
+    if case.split in ("dp", "dpcp"):
+        dp_rank, dp_world = (rank % 2, 2) if case.split == "dpcp" else (rank, world)
+        part, view.seqs = data_part(dp_rank, dp_world, BATCH, SEQ_LEN, p["cu_seqlens"])
         view.rows, view.cu_seqlens = part.rows, part.cu_seqlens
         n_seqs = view.seqs[1] - view.seqs[0]
         view.token_shape = (n_seqs, SEQ_LEN) if case.layout == "padded" else (part.rows.numel(),)
+        if case.split == "dpcp":  # then this rank's part of each of those sequences
+            sub = context_part(rank // 2, 2, n_seqs, SEQ_LEN, view.cu_seqlens)
+            view.rows, view.cu_seqlens = part.rows[sub.rows], sub.cu_seqlens
+            view.token_shape = (n_seqs, sub.columns[1] - sub.columns[0]) if sub.columns else (sub.rows.numel(),)
+            view.groups["cp_group"] = groups["cp"]
     return view
 
 
@@ -291,24 +328,24 @@ def check_case(case: Case, rank: int, world: int, groups: dict, seed: int) -> li
     vocab = VOCAB - 1 if case.even_vocab else VOCAB
     if case.split == "tpcp" and case.even_vocab:
         vocab = VOCAB - 1
-    p = _whole_problem(case, vocab, seed)
+    p = _whole_problem(case, vocab, seed, world)
     tol = _tolerance(case)
     view = _view(case, p, rank, world, groups, vocab)
     normalizer = None
-    if case.split == "dp" and case.loss_agg != "token-sum" and case.entry == "loss":
+    dp_group = groups["tp"] if case.split == "dpcp" else groups["dp"]  # dpcp: dp pairs {0, 1}, {2, 3}
+    if case.split in ("dp", "dpcp") and case.loss_agg != "token-sum" and case.entry == "loss":
         local_mask = p["mask"].reshape(-1)[view.rows].reshape(view.token_shape)
-        normalizer = gk.distributed.global_normalizer(local_mask, case.loss_agg, groups["dp"],
-                                                      cu_seqlens=view.cu_seqlens)
+        normalizer = gk.distributed.global_normalizer(local_mask, case.loss_agg, dp_group,
+                                                      cu_seqlens=view.cu_seqlens,
+                                                      cp_group=groups["cp"] if case.split == "dpcp" else None)
     whole_loss, whole_metrics, whole_grads = _run(case, p, None)
     loss, metrics, grads = _run(case, p, view, normalizer)
     failures = []
-    if case.split == "dp" or case.entry == "selective":
-        # Each rank's loss is its share: the shares sum to the whole loss.
-        group = groups["dp"] if case.split == "dp" else groups.get("cp")
+    if case.split in ("dp", "dpcp"):
+        # Each dp rank's loss is its share: the shares sum to the whole loss.
         total = loss.clone()
-        if case.split == "dp" or (case.split in ("cp", "tpcp")):
-            dist.all_reduce(total, group=group)
-        failures += _close("loss (sum over ranks)", total, whole_loss, tol)
+        dist.all_reduce(total, group=dp_group)
+        failures += _close("loss (sum over dp ranks)", total, whole_loss, tol)
     else:
         failures += _close("loss", loss, whole_loss, tol)
     for name, grad in grads.items():
@@ -321,7 +358,7 @@ def check_case(case: Case, rank: int, world: int, groups: dict, seed: int) -> li
             grad = grad.clone()
             dist.all_reduce(grad, group=groups["tp"])
         failures += _close(f"d {name}", grad.reshape(want.shape), want, tol)
-    if case.split != "dp":
+    if case.split not in ("dp", "dpcp"):  # data-parallel metrics are each rank's own
         for name, value in whole_metrics.items():
             got = metrics.get(name)
             if got is None:

@@ -75,8 +75,10 @@ class VocabShard:
         has_mass = weight > 0  # a slice whose logits are all -inf adds nothing (its H_k is NaN)
         zero = torch.zeros_like(weight)
         mean_rel = torch.where(has_mass, weight * (rel - entropy_k), zero)
-        # logp_k + rel = z_y - shift; an all -inf slice holding the target gives z_y = -inf.
-        target_rel = torch.where(has_mass, logp_k + rel, torch.full_like(rel, float("-inf")))
+        # logp_k + rel = z_y - shift, finite however far below the peak this slice's mass lies
+        # (its weight may underflow to 0; its log-prob must not); an all -inf slice holding the
+        # target gives z_y = -inf.
+        target_rel = torch.where(lse_k > float("-inf"), logp_k + rel, torch.full_like(rel, float("-inf")))
         parts = torch.stack([
             torch.where(bad, zero, weight),
             torch.where(bad, zero, mean_rel),
