@@ -39,7 +39,7 @@ else
     echo "[setup] installing $TORCH_SPEC" >&2
     "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
     echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes)" >&2
-    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench]"
+    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,integrations]"
     echo "$WANT" > "$STAMP"
 fi
 echo "$PY"

@@ -1,0 +1,102 @@
+"""One TRL training step's loss (forward + backward of GRPOTrainer._compute_loss) with TRL's own
+trainer and with the gspo_kernels drop-in, on the same tiny random Llama with V = 32768 (the
+lm_head and its logits dominate): median time and peak memory beyond the inputs.
+
+    python benchmarks/trl_step_bench.py [--rows 8 --completion 256 --vocab 32768 --reps 5]
+
+Each trainer runs in a fresh subprocess; memory is the peak RSS (VmHWM, reset after a warm-up
+step) minus the RSS before the measured step, with every block of 64 KiB or more mapped on
+allocation so that freed memory leaves RSS (as gspo_kernels.bench.memory does). float32,
+importance_sampling_level="sequence", loss_type="grpo", beta 0.04.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int) -> dict:
+    import torch
+    import trl
+
+    from gspo_kernels.integrations.tiny import tiny_grpo_trainer, tiny_llama
+    from gspo_kernels.integrations.trl import GRPOTrainer
+
+    cls = trl.GRPOTrainer if kind == "trl" else GRPOTrainer
+    trainer = tiny_grpo_trainer(cls, tiny_llama(vocab=vocab, hidden=64), tempfile.mkdtemp(),
+                                importance_sampling_level="sequence", loss_type="grpo",
+                                max_completion_length=completion)
+    trainer.beta = 0.04  # after construction: with beta > 0 there, TRL would load a reference model by name
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    gen = torch.Generator().manual_seed(0)
+    prompt = 32
+    completion_mask = torch.ones(rows, completion, dtype=torch.long)
+    batch = {"prompt_ids": torch.randint(0, 60, (rows, prompt), generator=gen),
+             "prompt_mask": torch.ones(rows, prompt, dtype=torch.long),
+             "completion_ids": torch.randint(0, vocab, (rows, completion), generator=gen),
+             "completion_mask": completion_mask, "advantages": torch.randn(rows, generator=gen),
+             "num_items_in_batch": completion_mask.sum().float(),
+             "old_per_token_logps": torch.randn(rows, completion, generator=gen) * 0.1 - 10.0,
+             "ref_per_token_logps": torch.randn(rows, completion, generator=gen) * 0.1 - 10.0}
+
+    def step():
+        trainer.model.zero_grad(set_to_none=True)
+        trainer._compute_loss(trainer.model, batch).backward()
+
+    step()
+    trainer.model.zero_grad(set_to_none=True)
+    before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    step()
+    peak = (_rss_kib("VmHWM") - before) * 1024
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"trainer": kind, "ms": statistics.median(times), "peak_bytes": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--completion", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_measure(args.child, args.rows, args.completion, args.vocab, args.reps)))
+        return
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    results = []
+    for kind in ("trl", "gspo_kernels"):
+        out = subprocess.run([sys.executable, __file__, "--child", kind, "--rows", str(args.rows), "--completion",
+                              str(args.completion), "--vocab", str(args.vocab), "--reps", str(args.reps)],
+                             capture_output=True, text=True, env=env, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    logits_mib = args.rows * args.completion * args.vocab * 4 / 2**20
+    print(f"TRL GRPOTrainer step (loss forward + backward), tiny Llama (hidden 64, 2 layers), V = {args.vocab}, "
+          f"{args.rows} x {args.completion} completion tokens, float32 (the logits alone: {logits_mib:.0f} MiB)")
+    print("| trainer | ms (median) | peak MiB beyond the inputs |\n|---|---|---|")
+    for r in results:
+        print(f"| {r['trainer']} | {r['ms']:.0f} | {r['peak_bytes'] / 2**20:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""A tiny random Llama, a word-level tokenizer and a GRPOTrainer around them, built offline:
+shared by the TRL drop-in's tests and its benchmark (nothing is downloaded)."""
+
+from __future__ import annotations
+
+PAD, EOS, UNK, BOS = 60, 61, 62, 63  # the tokenizer's 64 words: t0..t59 and these
+
+
+def tiny_tokenizer():
+    import tokenizers
+    import transformers
+
+    words = {f"t{i}": i for i in range(60)} | {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, "<bos>": BOS}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>", bos_token="<bos>")
+
+
+def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                      max_position_embeddings=1024, pad_token_id=PAD, eos_token_id=EOS,
+                                      bos_token_id=BOS, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_grpo_trainer(trainer_cls, model, output_dir: str, **overrides):
+    """trainer_cls (TRL's GRPOTrainer or the drop-in) on CPU in float32 (TRL's CPU default is
+    bf16 autocast), 4 prompts a step in groups of 2, a reward that counts characters."""
+    import datasets
+    import trl
+
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=4, num_generations=2, max_completion_length=5,
+                    report_to=[], use_cpu=True, logging_steps=1, max_steps=1, save_strategy="no", bf16=False)
+    settings.update(overrides)
+    prompts = datasets.Dataset.from_dict({"prompt": ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"] * 4})
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    return trainer_cls(model=model, reward_funcs=reward, args=trl.GRPOConfig(**settings), train_dataset=prompts,
+                       processing_class=tiny_tokenizer())

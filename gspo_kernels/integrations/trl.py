@@ -1,0 +1,251 @@
+"""TRL drop-in: `from gspo_kernels.integrations.trl import GRPOTrainer` instead of TRL's.
+
+The subclass takes TRL's arguments unchanged. Its training loss runs the model's backbone,
+then gspo_kernels' fused-linear loss on the completion's hidden states and the lm_head
+weight (log-probs, entropies and the policy loss in one call, no logits kept); its no-grad
+log-prob passes (old and reference policies) use the fused-linear token stats. Every TRL
+option is read from the trainer when the loss runs and mapped onto a GSPOConfig and a
+normalizer that reproduce TRL's own numbers (`_trl_config`, `_trl_normalizer`); an option
+this path cannot honour sends that call to TRL's own code, with one warning naming it.
+
+Tested against trl 1.16 (`tests/test_integration_trl.py`); the README states the range.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import trl
+
+from ..config import GSPOConfig
+from ..fused_linear import fused_linear_gspo_loss, fused_linear_selective_log_softmax
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+# Inputs of vision-language models: the fused path feeds text models only.
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_ROLLOUT_MODES = {"token_truncate": "token-truncate", "token_mask": "token-mask",
+                  "sequence_truncate": "sequence-truncate", "sequence_mask": "sequence-mask"}
+# CISPO's weight is clip(r, max=epsilon_high) in TRL: no lower bound, which eps_low just below
+# 1 gives (GSPOConfig needs eps_low < 1).
+_CISPO_EPS_LOW = 1.0 - 1e-9
+
+
+def _scaled_logits(config) -> str | None:
+    """The first logit transform of the model that the fused loss does not apply, if any."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        return "final_logit_softcapping"
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        if getattr(text, name, None) not in (None, 1, 1.0):
+            return name
+    return None
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """trl.GRPOTrainer whose log-probs, entropies and policy loss come from gspo_kernels."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._gspo_warned: set[str] = set()
+
+    # --- what the fused path cannot do -----------------------------------------------------
+
+    def _gspo_unsupported(self, model, inputs) -> str | None:
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            return f"loss_type={self.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})"
+        if self.importance_sampling_level not in ("token", "sequence"):
+            return f"importance_sampling_level={self.importance_sampling_level!r}"
+        if self.aux_loss_enabled:
+            return "the MoE router auxiliary loss"
+        if self._entropy_bonus_enabled:
+            return "the entropy bonus (entropy_coef / adaptive entropy), a token mean in TRL whatever the loss type"
+        if any(inputs.get(key) is not None for key in _MULTIMODAL):
+            return "multimodal inputs"
+        if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
+            return "top_entropy_quantile over several processes (TRL gathers every rank's entropies)"
+        if self.use_vllm and self.vllm_importance_sampling_correction and \
+                self.vllm_importance_sampling_mode not in _ROLLOUT_MODES:
+            return f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}"
+        scaled = _scaled_logits(self.accelerator.unwrap_model(model).config)
+        if scaled is not None:
+            return f"a model whose logits are transformed ({scaled})"
+        return None
+
+    def _gspo_fallback(self, reason: str) -> None:
+        if reason not in self._gspo_warned:
+            self._gspo_warned.add(reason)
+            warnings.warn(f"gspo_kernels: {reason} is not supported by the fused loss; this trainer runs TRL's own "
+                          "loss code for it", stacklevel=3)
+
+    # --- the model pieces ------------------------------------------------------------------
+
+    def _gspo_head(self, model):
+        """(backbone, lm_head weight, bias) of the unwrapped model (PEFT and FSDP2 included)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if hasattr(unwrapped, "get_base_model"):  # PEFT
+            unwrapped = unwrapped.get_base_model()
+        head = unwrapped.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the whole head, as TRL's own fused head does
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        if self.args.cast_lm_head_to_fp32:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        return unwrapped.base_model, weight, bias
+
+    def _gspo_hidden(self, backbone, input_ids, attention_mask, completion_len: int, dtype) -> torch.Tensor:
+        """The hidden states that predict the completion tokens: positions -C-1 .. -2."""
+        with self.accelerator.autocast():  # the trainer's mixed precision, as TRL runs its model
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return hidden[:, -completion_len - 1:-1].to(dtype)
+
+    # --- log-probs without a gradient (old and reference policies) ------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if compute_aux_loss or any(v is not None for v in multimodal.values()) or \
+                _scaled_logits(self.accelerator.unwrap_model(model).config) is not None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        backbone, weight, bias = self._gspo_head(model)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            ids, attention = input_ids[rows], attention_mask[rows]
+            hidden = self._gspo_hidden(backbone, ids, attention, logits_to_keep, weight.dtype)
+            targets = ids[:, -logits_to_keep:]
+            mask = attention[:, -logits_to_keep:] != 0
+            logp, entropy = fused_linear_selective_log_softmax(hidden, weight, targets, bias=bias,
+                                                               temperature=self.temperature, return_entropy=True,
+                                                               mask=mask)
+            # TRL's convention: zeros outside the completion.
+            logps.append(torch.where(mask, logp, torch.zeros_like(logp)))
+            entropies.append(torch.where(mask, entropy, torch.zeros_like(entropy)))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    # --- the loss --------------------------------------------------------------------------
+
+    def _trl_config(self) -> GSPOConfig:
+        """GSPOConfig that computes TRL's per-token policy term for this trainer's options."""
+        options = dict(level=self.importance_sampling_level, temperature=self.temperature,
+                       eps_low=self.epsilon_low, eps_high=self.epsilon_high, beta=self.beta,
+                       kl_estimator="k3", use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
+                       off_policy_mask_threshold=self.off_policy_mask_threshold,
+                       top_entropy_quantile=self.top_entropy_quantile,
+                       log_ratio_clamp=(None, None))  # TRL exponentiates its log-ratios unclamped
+        if self.loss_type == "cispo":
+            options.update(objective="cispo", eps_low=_CISPO_EPS_LOW, eps_high=self.epsilon_high - 1.0)
+        elif self.loss_type == "sapo":
+            options.update(objective="sapo", sapo_tau_pos=self.args.sapo_temperature_pos,
+                           sapo_tau_neg=self.args.sapo_temperature_neg)
+        else:
+            options.update(objective="clip", delta=self.args.delta)
+        options["loss_agg"] = "seq-mean-token-mean" if self.loss_type in ("grpo", "sapo") else "token-mean"
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            # TRL's weights: exp(old - sampler) per token, or exp of the sum per sequence (a product),
+            # truncated into or masked outside [clip_min, clip_max].
+            options.update(rollout_correction=_ROLLOUT_MODES[self.vllm_importance_sampling_mode],
+                           rollout_sequence_weight="product",
+                           rollout_is_min=self.vllm_importance_sampling_clip_min,
+                           rollout_is_max=self.vllm_importance_sampling_clip_max)
+        return GSPOConfig(**options)
+
+    def _trl_normalizer(self, inputs, mask: torch.Tensor) -> torch.Tensor | float:
+        """TRL's denominator for this loss type, gradient accumulation included: a sequence
+        mean divides by every row of the batch, empty completions included."""
+        training = self.model.training
+        accumulation = self.current_gradient_accumulation_steps if training else 1
+        rows = mask.size(0)
+        if self.loss_type in ("grpo", "sapo"):
+            return float(rows * accumulation)
+        if self.loss_type == "bnpo":
+            return mask.sum().clamp(min=1.0).float() * accumulation
+        if self.loss_type == "dr_grpo":
+            return float(rows * self.max_completion_length * accumulation)
+        # dapo, cispo: num_items_in_batch spans the generation batch, over every process
+        count = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
+        if training:
+            count = count * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return count
+
+    def _compute_loss(self, model, inputs):
+        reason = self._gspo_unsupported(model, inputs)
+        if reason is not None:
+            self._gspo_fallback(reason)
+            return super()._compute_loss(model, inputs)
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = mask != 0
+        backbone, weight, bias = self._gspo_head(model)
+        hidden = self._gspo_hidden(backbone, input_ids, attention_mask, completion_ids.size(1), weight.dtype)
+        config = self._trl_config()
+        advantages = inputs["advantages"]
+        rollout = inputs.get("sampling_per_token_logps") if config.rollout_correction or \
+            config.off_policy_mask_threshold is not None else None
+        loss, metrics = fused_linear_gspo_loss(
+            hidden, weight, completion_ids, inputs.get("old_per_token_logps"), advantages, bias=bias, mask=mask,
+            ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            rollout_logprobs=rollout, normalizer=self._trl_normalizer(inputs, mask), config=config)
+        self._log_trl_metrics(metrics, inputs, mask)
+        return loss
+
+    # --- TRL's metrics, under TRL's names ---------------------------------------------------
+
+    def _log_trl_metrics(self, metrics: dict, inputs, mask: torch.Tensor) -> None:
+        """The metrics TRL's loss logs, from the loss's detached outputs, by TRL's formulas:
+        means over every process's response tokens (or, for a per-sequence value, over every
+        row), and per-sequence clip fractions reduced by min / max."""
+        mode = "train" if self.model.training else "eval"
+        zero = torch.zeros((), device=mask.device)
+        # TRL's per-token tensors hold zeros outside the completion.
+        logp = torch.where(mask, metrics["token_logprobs"], zero)
+        entropy = torch.where(mask, metrics["entropy"], zero)
+        old = inputs.get("old_per_token_logps")
+        old = logp if old is None else old
+        maskf = mask.float()
+        rows = mask.size(0)
+        if self.importance_sampling_level == "sequence":
+            ratio = metrics["seq_ratio"].unsqueeze(1)  # one value per row
+        else:
+            ratio = torch.exp(logp - old)
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+
+        def global_mean(values: torch.Tensor) -> float:
+            if values.size(1) == 1:
+                local = torch.stack([values.sum(), torch.tensor(float(rows), device=values.device)])
+            else:
+                local = torch.stack([(values * maskf).sum(), maskf.sum()])
+            total = self.accelerator.reduce(local, reduction="sum")
+            return (total[0] / total[1].clamp(min=1.0)).item()
+
+        def per_row(values: torch.Tensor) -> torch.Tensor:
+            return values.squeeze(1) if values.size(1) == 1 else (values * maskf).sum(-1) / maskf.sum(-1)
+
+        if self.beta != 0.0:
+            log_gap = inputs["ref_per_token_logps"] - logp
+            kl = torch.exp(log_gap) - log_gap - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * ratio
+            self._metrics[mode]["kl"].append(global_mean(kl))
+        self._metrics[mode]["entropy"].append(global_mean(entropy))
+        if self.loss_type == "cispo":
+            clipped = ((ratio > self.epsilon_high) & (advantages > 0)).float()
+            self._metrics[mode]["cispo_clip_ratio"].append(global_mean(clipped))
+        elif self.loss_type != "sapo":
+            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
+            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+            self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low))
+            self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(high))
+            self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high)))
+            gathered_low = self.accelerator.gather(per_row(low))
+            gathered_high = self.accelerator.gather(per_row(high))
+            self._metrics[mode]["clip_ratio/low_min"].append(trl.trainer.utils.nanmin(gathered_low).item())
+            self._metrics[mode]["clip_ratio/high_max"].append(trl.trainer.utils.nanmax(gathered_high).item())

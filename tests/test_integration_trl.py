@@ -1,0 +1,197 @@
+"""The TRL drop-in against TRL's own GRPOTrainer, on the same batch and the same tiny random
+model (two copies): loss (relative error < 1e-5 in fp32), every parameter gradient (< 1e-4)
+and the metrics TRL logs, for each supported option combination; each fallback warns once and
+gives TRL's own result. Plus one offline train() step through the drop-in."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+
+from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
+
+from gspo_kernels.integrations.tiny import PAD, tiny_grpo_trainer, tiny_llama  # noqa: E402
+
+ROWS, PROMPT, COMPLETION = 6, 4, 5
+
+
+def _model():
+    return tiny_llama()
+
+
+def _trainer(cls, model, tmp_path, **overrides):
+    return tiny_grpo_trainer(cls, model, str(tmp_path), max_completion_length=COMPLETION, **overrides)
+
+
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory):
+    base = _model()
+    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base), tmp_path_factory.mktemp("trl"))
+    ours = _trainer(GRPOTrainer, copy.deepcopy(base), tmp_path_factory.mktemp("ours"))
+    return theirs, ours
+
+
+def _batch(trainer) -> dict:
+    """A generation batch as TRL's _generate_and_score_completions hands it over."""
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, 60, (ROWS, PROMPT), generator=gen)
+    prompt_mask = torch.ones(ROWS, PROMPT, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    prompt_ids[0, :2] = PAD
+    completion_ids = torch.randint(0, 60, (ROWS, COMPLETION), generator=gen)
+    lengths = torch.tensor([5, 3, 0, 5, 1, 4])  # row 2: an empty completion (a masked truncation)
+    completion_mask = (torch.arange(COMPLETION) < lengths[:, None]).long()
+    completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, PAD))
+    with torch.no_grad():
+        current, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([prompt_mask, completion_mask], 1), COMPLETION)
+
+    def near(scale):
+        return (current + scale * torch.randn(current.shape, generator=gen)) * completion_mask
+
+    mask = completion_mask.float()
+    # Whole sequences shifted too, so that sequence-level ratios leave the clip range both ways.
+    old = near(0.05) + torch.tensor([0.0, 0.05, 0.0, -0.05, 0.0, 0.03])[:, None] * completion_mask
+    sampling = near(0.04)
+    sampling[3, 1] = float("nan")  # a token the sampler could not score
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": torch.randn(ROWS, generator=gen),
+            "num_items_in_batch": mask.sum(), "old_per_token_logps": old, "ref_per_token_logps": near(0.1),
+            "sampling_per_token_logps": sampling}
+
+
+def _is_ratio(trainer, batch) -> torch.Tensor:
+    """TRL's importance_sampling_ratio for the trainer's mode (its formula, in the test)."""
+    mask = batch["completion_mask"]
+    diff = torch.nan_to_num((batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * mask, nan=0.0)
+    mode = trainer.vllm_importance_sampling_mode
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=low, max=high)
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def _configure(trainer, case: dict) -> None:
+    trainer.loss_type = case["loss_type"]
+    trainer.importance_sampling_level = case["level"]
+    trainer.beta = case["beta"]
+    trainer.epsilon_low, trainer.epsilon_high = 0.02, (1.03 if case["loss_type"] == "cispo" else 0.03)
+    trainer.temperature = case.get("temperature", 1.0)
+    trainer.top_entropy_quantile = case.get("top_entropy_quantile", 1.0)
+    trainer.off_policy_mask_threshold = case.get("off_policy_mask_threshold")
+    trainer.args.delta = case.get("delta")
+    trainer.args.use_bias_correction_kl = case.get("use_bias_correction_kl", False)
+    trainer.entropy_coef = case.get("entropy_coef", 0.0)
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = case.get("rollout") is not None
+    if case.get("rollout") is not None:
+        trainer.vllm_importance_sampling_mode = case["rollout"]
+        trainer.vllm_importance_sampling_clip_min = 0.97 if case["rollout"].endswith("mask") else None
+        trainer.vllm_importance_sampling_clip_max = 1.03
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train()
+    trainer._metrics["train"].clear()
+
+
+def _run(trainer, batch, case):
+    _configure(trainer, case)
+    inputs = dict(batch)
+    if case.get("rollout") is not None:
+        inputs["importance_sampling_ratio"] = _is_ratio(trainer, batch)
+    if case.get("tool_mask"):
+        inputs["tool_mask"] = torch.ones_like(batch["completion_mask"])
+        inputs["tool_mask"][1, 1] = 0
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12))
+
+
+def _compare(trainers, case):
+    theirs, ours = trainers
+    batch = _batch(theirs)
+    want_loss, want_grads, want_metrics = _run(theirs, batch, case)
+    loss, grads, metrics = _run(ours, batch, case)
+    assert _rel(loss, want_loss) < 1e-5 or abs(float(loss - want_loss)) < 1e-8, (float(loss), float(want_loss))
+    assert grads.keys() == want_grads.keys()
+    worst = max(_rel(grads[n], want_grads[n]) for n in want_grads if want_grads[n].norm() > 0)
+    assert worst < 1e-4, worst
+    assert metrics.keys() == want_metrics.keys()
+    for name in want_metrics:
+        assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-4, abs=1e-6), name
+
+
+GRID = [dict(level=level, loss_type=loss_type, beta=beta, rollout=rollout)
+        for level, loss_type, beta, rollout in itertools.product(
+            ("token", "sequence"), ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"), (0.0, 0.04),
+            (None, "rollout"))]
+ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+for i, case in enumerate(GRID):
+    if case["rollout"] is not None:
+        case["rollout"] = ROLLOUT_MODES[i % len(ROLLOUT_MODES)]
+EXTRAS = [
+    dict(level="sequence", loss_type="grpo", beta=0.04, use_bias_correction_kl=True),
+    dict(level="token", loss_type="dapo", beta=0.0, delta=1.5),
+    dict(level="sequence", loss_type="bnpo", beta=0.0, top_entropy_quantile=0.5),
+    dict(level="token", loss_type="grpo", beta=0.0, off_policy_mask_threshold=0.001, rollout="token_truncate"),
+    dict(level="sequence", loss_type="grpo", beta=0.0, tool_mask=True),
+]
+
+
+def _case_id(case):
+    return "-".join(f"{k}={v}" for k, v in case.items() if v not in (None, False))
+
+
+@pytest.mark.parametrize("case", GRID + EXTRAS, ids=_case_id)
+def test_drop_in_matches_trl(trainers, case):
+    _compare(trainers, case)
+
+
+def test_temperature_matches_trl(tmp_path):
+    # TRL binds the temperature into the model's fused head when the trainer is built.
+    base = _model()
+    pair = tuple(_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__, temperature=0.7)
+                 for cls in (trl.GRPOTrainer, GRPOTrainer))
+    _compare(pair, dict(level="sequence", loss_type="dr_grpo", beta=0.04, temperature=0.7))
+
+
+@pytest.mark.parametrize("case", [dict(level="sequence", loss_type="vespo", beta=0.0),
+                                  dict(level="token", loss_type="luspo", beta=0.0),
+                                  dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01)],
+                         ids=_case_id)
+def test_fallback_warns_once_and_matches_trl(trainers, case):
+    theirs, ours = trainers
+    ours._gspo_warned.clear()
+    batch = _batch(theirs)
+    with pytest.warns(UserWarning, match="gspo_kernels: .* not supported"):
+        _compare(trainers, case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the second call stays quiet
+        _run(ours, batch, case)
+
+
+def test_train_step_offline(tmp_path):
+    """A whole train() step, generation included, through the drop-in."""
+    trainer = _trainer(GRPOTrainer, _model(), tmp_path)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert math.isfinite(logged["loss"]) and "entropy" in logged and "clip_ratio/region_mean" in logged
