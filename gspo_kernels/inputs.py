@@ -182,6 +182,7 @@ class LossBatch:
     horizon: int | None
     rollout_logprobs: torch.Tensor | None = None
     entropy_threshold: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None  # detached per-token weights of the policy term
 
 
 def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):
@@ -209,6 +210,17 @@ def _entropy_threshold(config: GSPOConfig, value, device):
     return torch.tensor(float(value), device=device)
 
 
+def _token_weights(value, token_shape, device):
+    if value is None:
+        return None
+    t = _require_tensor("token_weights", value)
+    _require_shape("token_weights", t, token_shape, "one weight per token, like target_ids")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"token_weights must be a float tensor; got {t.dtype}")
+    _require_device("token_weights", t, device)
+    return t.detach().reshape(-1)
+
+
 def _check_context_parallel(config: GSPOConfig, cp_group, entropy_threshold, max_len_needed: bool) -> None:
     """What a rank cannot compute from its own part of each sequence: say so, not guess."""
     if cp_group is None:
@@ -224,7 +236,7 @@ def _check_context_parallel(config: GSPOConfig, cp_group, entropy_threshold, max
 
 def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *,
                   mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None, rollout_logprobs=None,
-                  entropy_threshold=None, cp_group=None) -> LossBatch:
+                  entropy_threshold=None, cp_group=None, token_weights=None) -> LossBatch:
     """cp_group: the context-parallel group whose ranks hold the other parts of every sequence
     (README, Distributed), or None."""
     targets = check_logits_and_targets(logits, target_ids)
@@ -254,4 +266,5 @@ def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantag
         horizon=horizon,
         rollout_logprobs=_rollout_logprobs(config, rollout_logprobs, token_shape, device),
         entropy_threshold=_entropy_threshold(config, entropy_threshold, device),
+        token_weights=_token_weights(token_weights, token_shape, device),
     )

@@ -104,6 +104,8 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
     rollout = None if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
     per_token, extra = corrections.apply(config, inputs, term.per_token, old, rollout, entropy_r,
                                          batch.entropy_threshold)
+    if batch.token_weights is not None:  # weights computed elsewhere (e.g. verl's rollout_is_weights)
+        per_token = per_token * response_only(batch.token_weights)
 
     kl = None
     if batch.ref_logprobs is not None:

@@ -38,8 +38,13 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import gspo_k
 else
     echo "[setup] installing $TORCH_SPEC" >&2
     "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
-    echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes)" >&2
+    echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes), then the trainers" >&2
     "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,integrations]"
+    # verl's own requirements are a cluster's (vllm, ...) and pin an older transformers: install it
+    # alone, plus what the modules gspo_kernels.integrations.verl imports need.
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1"
+    "$PY" -m pip install -q --disable-pip-version-check ray==2.60.0 tensordict==0.15.3 omegaconf==2.4.0 \
+        codetiming==1.4.0 orjson==3.13.0
     echo "$WANT" > "$STAMP"
 fi
 echo "$PY"

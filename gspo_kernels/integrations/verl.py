@@ -1,0 +1,173 @@
+"""verl drop-in: gspo_kernels' policy losses in verl's registry, and a fused log-prob +
+entropy forward for verl's actor.
+
+    import gspo_kernels.integrations.verl  # registers the losses, adds the fused backend
+
+Policy losses: `actor_rollout_ref.actor.policy_loss.loss_mode=` one of
+    gk_vanilla   verl's "vanilla" (token-level PPO clip with dual clip clip_ratio_c)
+    gk_gspo      verl's "gspo" (the s_i,t ratio, log-ratio clamped at 10)
+    gk_sapo      verl's "sapo" (soft gate, tau_pos / tau_neg, seq-mean-token-mean)
+    gk_cispo     verl's "cispo"
+Each takes verl's arguments (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+config, rollout_is_weights), reads clip_ratio(_low/_high), clip_ratio_c, tau_pos/neg,
+global_batch_info and loss_scale_factor from verl's ActorConfig, and computes the loss with
+gspo_kernels.policy_loss: verl's numbers, metrics under verl's names.
+
+Fused log-probs: `actor_rollout_ref.model.use_fused_kernels=True` with
+`actor_rollout_ref.model.fused_kernel_options.impl_backend=gspo_kernels` makes verl's
+monkey patch install `forward_with_gspo_kernels` on text models: the backbone, then
+fused_linear_selective_log_softmax on the hidden states and the lm_head weight, returning
+verl's CausalLMOutputForPPO (log_probs, entropy). A model verl patches with its own forward
+(the vision-language ones) keeps verl's torch backend, with a warning.
+
+Tested against verl 0.9.1 (`tests/test_integration_verl.py`); in 0.9.0 verl's gspo forced
+seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from verl.models.transformers import monkey_patch
+from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
+from verl.trainer.ppo.core_algos import register_policy_loss
+
+from ..config import GSPOConfig
+from ..fused_linear import fused_linear_selective_log_softmax
+from ..policy_loss import policy_loss
+
+BACKEND = "gspo_kernels"
+# verl's own fused forwards for these model types: not plain text models.
+_VERL_SPECIFIC = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe")
+
+
+# --- policy losses -------------------------------------------------------------------------
+
+def _clip_range(config) -> tuple[float, float]:
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return low, high
+
+
+def _normalizer(loss_agg: str, info: dict):
+    """verl's agg_loss denominators (global batch over dp_size) as our normalizer; None keeps
+    ours, which is verl's local one."""
+    dp_size = info.get("dp_size") or 1
+    if loss_agg == "token-sum":
+        return 1.0 / dp_size if dp_size != 1 else None
+    total = info.get("batch_num_tokens") if loss_agg == "token-mean" else info.get("global_batch_size")
+    if total is None:
+        if dp_size > 1:
+            raise ValueError(f"verl's loss_agg_mode={loss_agg!r} needs global_batch_info when dp_size > 1")
+        return None
+    return total / dp_size
+
+
+def _mode_config(mode: str, config, loss_agg_mode: str, horizon: int) -> GSPOConfig:
+    low, high = _clip_range(config)
+    options = dict(eps_low=low, eps_high=high, loss_agg=loss_agg_mode)
+    if mode == "vanilla":
+        options.update(level="token", clip_ratio_c=config.get("clip_ratio_c", 3.0))
+    elif mode == "gspo":  # verl's GSPO: s_i,t with a one-sided clamp (0.9.1 honours loss_agg_mode)
+        options.update(level="sequence_token", log_ratio_clamp=(None, 10.0))
+    elif mode == "sapo":
+        options.update(level="token", objective="sapo", sapo_tau_pos=float(config.tau_pos),
+                       sapo_tau_neg=float(config.tau_neg), eps_low=0.0, eps_high=0.0,
+                       loss_agg="seq-mean-token-mean")
+    elif mode == "cispo":
+        options.update(level="token", objective="cispo")
+    if options["loss_agg"] == "seq-mean-token-sum-norm":
+        options["max_len"] = (config.global_batch_info.get("loss_scale_factor") or config.get("loss_scale_factor", None)
+                              or horizon)
+    return GSPOConfig(**options)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / (mask.sum() + 1e-8))
+
+
+def _verl_metrics(mode: str, cfg: GSPOConfig, metrics: dict, old, log_prob, advantages, mask) -> dict:
+    """verl's three policy metrics, by verl's formulas, from the detached inputs."""
+    maskf = mask.float()
+    log_ratio = (log_prob - old).detach()
+    if mode != "gspo":
+        log_ratio = log_ratio.clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    lower = 0.0
+    if mode == "vanilla":
+        clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+        lower = _masked_mean(((torch.maximum(ratio, clipped) > cfg.clip_ratio_c) & (advantages < 0)).float(), maskf)
+    clipfrac = 0.0 if mode == "sapo" else float(metrics["clip_frac"])
+    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": _masked_mean(-log_ratio, maskf),
+            "actor/pg_clipfrac_lower": lower}
+
+
+def _make_loss(mode: str):
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None):
+        assert config is not None, f"gk_{mode} needs verl's ActorConfig"
+        cfg = _mode_config(mode, config, loss_agg_mode, response_mask.shape[-1])
+        mask = response_mask.bool()
+        loss, metrics = policy_loss(log_prob.float(), old_log_prob.float(), advantages.float(), mask=mask,
+                                    token_weights=rollout_is_weights,
+                                    normalizer=_normalizer(cfg.loss_agg, dict(config.global_batch_info)),
+                                    config=cfg)
+        return loss, _verl_metrics(mode, cfg, metrics, old_log_prob, log_prob, advantages, mask)
+
+    loss_fn.__name__ = f"compute_policy_loss_gk_{mode}"
+    loss_fn.__doc__ = f"verl's {mode!r} policy loss, computed by gspo_kernels.policy_loss."
+    return loss_fn
+
+
+POLICY_LOSSES = {f"gk_{mode}": register_policy_loss(f"gk_{mode}")(_make_loss(mode))
+                 for mode in ("vanilla", "gspo", "sapo", "cispo")}
+
+
+# --- the actor's fused log-probs -------------------------------------------------------------
+
+def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                              inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                              output_hidden_states=None, return_dict=None, cache_position=None, logits_to_keep=0,
+                              temperature: float = 1.0, shift_labels=None, **loss_kwargs):
+    """verl's fused forward contract (the same arguments as its torch and triton backends):
+    per-token log-probs of the next token and entropies, from the hidden states and the
+    lm_head weight, with no logits."""
+    outputs = forward_base_model(self, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=past_key_values,
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                 cache_position=cache_position)
+    if shift_labels is not None:
+        targets = shift_labels
+    elif labels is not None:
+        targets = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        targets = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise RuntimeError("forward_with_gspo_kernels needs labels, shift_labels or input_ids")
+    hidden = outputs[0]
+    head = self.lm_head
+    log_probs, entropy = fused_linear_selective_log_softmax(hidden, head.weight.to(hidden.dtype), targets,
+                                                            bias=None if head.bias is None else head.bias.to(hidden.dtype),
+                                                            temperature=temperature, return_entropy=True)
+    return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
+                                hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+_verl_patch = monkey_patch.patch_forward_with_backends
+
+
+@functools.wraps(_verl_patch)
+def _patch_forward_with_backends(model, use_fused_kernels: bool = False, fused_kernels_backend: str | None = None):
+    if not (use_fused_kernels and fused_kernels_backend == BACKEND):
+        return _verl_patch(model, use_fused_kernels, fused_kernels_backend)
+    if model.config.model_type in _VERL_SPECIFIC:
+        warnings.warn(f"gspo_kernels: the fused forward of {model.config.model_type} models is verl's own; using "
+                      "verl's torch backend for it", stacklevel=2)
+        return _verl_patch(model, use_fused_kernels, "torch")
+    model.__class__.forward = forward_with_gspo_kernels
+
+
+monkey_patch.patch_forward_with_backends = _patch_forward_with_backends

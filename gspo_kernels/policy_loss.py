@@ -1,0 +1,60 @@
+"""Stage 2 alone: the GSPO loss from per-token log-probs a trainer already has.
+
+For trainers whose actor computes the log-probs itself (verl's policy-loss registry hands its
+loss functions `log_prob`, not logits): the same sequence math, options and metrics as
+gspo_loss, with autograd carrying dLoss/dlogp back to whatever produced the log-probs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import GSPOConfig
+from .inputs import LOGPROB_DTYPES, prepare_batch
+from .sequence import gspo_objective
+
+
+def _token_stand_in(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-storage logits `(..., 1)` and targets shaped like the log-probs, for the shared
+    input checks (which speak of logits and targets)."""
+    shape = tuple(logprobs.shape) + (1,)
+    logits = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32, device=logprobs.device)
+    targets = torch.empty_strided(tuple(logprobs.shape), (0,) * logprobs.dim(), dtype=torch.int64,
+                                  device=logprobs.device)
+    return logits, targets
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, *,
+                mask=None, cu_seqlens=None, entropy=None, ref_logprobs=None, rollout_logprobs=None, token_weights=None,
+                normalizer=None, entropy_threshold=None, cp_group=None, config: GSPOConfig | None = None, **options):
+    """gspo_loss's stage 2 on per-token log-probs: `(B, T)` padded or `(N,)` packed with
+    cu_seqlens, float32 or float64, differentiable. entropy (like logprobs) is needed only by
+    entropy_coef and top_entropy_quantile. token_weights (like logprobs, detached) multiply the
+    policy term before the KL term and the aggregation: weights computed elsewhere, such as
+    verl's rollout_is_weights. Every other argument and option is gspo_loss's; `temperature`
+    and `backend` do not apply (the log-probs are given). Returns (loss, metrics) as gspo_loss,
+    without the entropy metrics when no entropy is given.
+    """
+    if config is None:
+        config = GSPOConfig(**options)
+    elif options:
+        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
+    if not isinstance(logprobs, torch.Tensor):
+        raise TypeError(f"logprobs must be a torch.Tensor; got {type(logprobs).__name__}")
+    if logprobs.dtype not in LOGPROB_DTYPES or logprobs.dim() not in (1, 2):
+        raise ValueError(f"logprobs must be float32/float64, (B, T) padded or (N,) packed; got {logprobs.dtype} "
+                         f"of shape {tuple(logprobs.shape)}")
+    needs_entropy = config.entropy_coef != 0.0 or config.top_entropy_quantile < 1.0
+    if entropy is None and needs_entropy:
+        raise ValueError("entropy_coef and top_entropy_quantile need the per-token entropy: pass entropy=")
+    if entropy is not None and (not isinstance(entropy, torch.Tensor) or entropy.shape != logprobs.shape):
+        raise ValueError("entropy must be a tensor shaped like logprobs")
+    logits, targets = _token_stand_in(logprobs)
+    batch = prepare_batch(config, logits, targets, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
+                          ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
+                          entropy_threshold=entropy_threshold, cp_group=cp_group, token_weights=token_weights)
+    flat_entropy = torch.zeros_like(batch.targets, dtype=logprobs.dtype) if entropy is None else entropy.reshape(-1)
+    loss, metrics = gspo_objective(config, batch, logprobs.reshape(-1), flat_entropy)
+    if entropy is None:
+        del metrics["entropy"], metrics["entropy_mean"]
+    return loss, metrics
