@@ -6,26 +6,32 @@ from __future__ import annotations
 PAD, EOS, UNK, BOS = 60, 61, 62, 63  # the tokenizer's 64 words: t0..t59 and these
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(words: list[str] | None = None):
+    """A whitespace word-level tokenizer: `words` (default t0..t59) get ids 0.., then <pad>,
+    <eos>, <unk>, <bos> (ids 60..63 for the default words)."""
     import tokenizers
     import transformers
 
-    words = {f"t{i}": i for i in range(60)} | {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, "<bos>": BOS}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    words = [f"t{i}" for i in range(60)] if words is None else list(words)
+    specials = ("<pad>", "<eos>", "<unk>", "<bos>")
+    vocab = {w: i for i, w in enumerate(words + list(specials))}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                                 unk_token="<unk>", bos_token="<bos>")
 
 
-def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0):
+def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, words: int = 60):
+    """A random Llama; `words` is how many plain words the tokenizer has before its specials."""
     import torch
     import transformers
 
+    pad, eos, bos = words, words + 1, words + 3
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                                      max_position_embeddings=1024, pad_token_id=PAD, eos_token_id=EOS,
-                                      bos_token_id=BOS, tie_word_embeddings=False)
+                                      max_position_embeddings=1024, pad_token_id=pad, eos_token_id=eos,
+                                      bos_token_id=bos, tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(config)
 
 
