@@ -96,7 +96,10 @@ def _configure(trainer, case: dict) -> None:
     trainer.args.delta = case.get("delta")
     trainer.args.use_bias_correction_kl = case.get("use_bias_correction_kl", False)
     trainer.entropy_coef = case.get("entropy_coef", 0.0)
-    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0
+    trainer.use_adaptive_entropy = case.get("use_adaptive_entropy", False)
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy
+    trainer._entropy_window_stats = None
+    trainer._last_world_entropy = float("inf")
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = case.get("rollout") is not None
     if case.get("rollout") is not None:
         trainer.vllm_importance_sampling_mode = case["rollout"]
@@ -154,6 +157,9 @@ EXTRAS = [
     dict(level="sequence", loss_type="bnpo", beta=0.0, top_entropy_quantile=0.5),
     dict(level="token", loss_type="grpo", beta=0.0, off_policy_mask_threshold=0.001, rollout="token_truncate"),
     dict(level="sequence", loss_type="grpo", beta=0.0, tool_mask=True),
+    dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01),
+    dict(level="token", loss_type="dapo", beta=0.04, entropy_coef=0.02, top_entropy_quantile=0.5),
+    dict(level="sequence", loss_type="bnpo", beta=0.0, entropy_coef=-0.01),
 ]
 
 
@@ -176,7 +182,8 @@ def test_temperature_matches_trl(tmp_path):
 
 @pytest.mark.parametrize("case", [dict(level="sequence", loss_type="vespo", beta=0.0),
                                   dict(level="token", loss_type="luspo", beta=0.0),
-                                  dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01)],
+                                  dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01,
+                                       use_adaptive_entropy=True)],
                          ids=_case_id)
 def test_fallback_warns_once_and_matches_trl(trainers, case):
     theirs, ours = trainers

@@ -1,9 +1,10 @@
 """TRL drop-in: `from gspo_kernels.integrations.trl import GRPOTrainer` instead of TRL's.
 
 The subclass takes TRL's arguments unchanged. Its training loss runs the model's backbone,
-then gspo_kernels' fused-linear loss on the completion's hidden states and the lm_head
-weight (log-probs, entropies and the policy loss in one call, no logits kept); its no-grad
-log-prob passes (old and reference policies) use the fused-linear token stats. Every TRL
+then gspo_kernels' fused-linear token stats on the completion's hidden states and the
+lm_head weight (log-probs and entropies, both differentiable, no logits kept), then
+gspo_kernels' stage 2 (policy_loss) and TRL's entropy bonus; its no-grad log-prob passes
+(old and reference policies) use the same fused-linear token stats. Every TRL
 option is read from the trainer when the loss runs and mapped onto a GSPOConfig and a
 normalizer that reproduce TRL's own numbers (`_trl_config`, `_trl_normalizer`); an option
 this path cannot honour sends that call to TRL's own code, with one warning naming it.
@@ -19,7 +20,8 @@ import torch
 import trl
 
 from ..config import GSPOConfig
-from ..fused_linear import fused_linear_gspo_loss, fused_linear_selective_log_softmax
+from ..fused_linear import fused_linear_selective_log_softmax
+from ..policy_loss import policy_loss
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 # Inputs of vision-language models: the fused path feeds text models only.
@@ -59,12 +61,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             return f"importance_sampling_level={self.importance_sampling_level!r}"
         if self.aux_loss_enabled:
             return "the MoE router auxiliary loss"
-        if self._entropy_bonus_enabled:
-            return "the entropy bonus (entropy_coef / adaptive entropy), a token mean in TRL whatever the loss type"
+        if self.use_adaptive_entropy:
+            return "use_adaptive_entropy (TRL's entropy-coefficient controller)"
         if any(inputs.get(key) is not None for key in _MULTIMODAL):
             return "multimodal inputs"
-        if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
-            return "top_entropy_quantile over several processes (TRL gathers every rank's entropies)"
         if self.use_vllm and self.vllm_importance_sampling_correction and \
                 self.vllm_importance_sampling_mode not in _ROLLOUT_MODES:
             return f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}"
@@ -173,6 +173,16 @@ class GRPOTrainer(trl.GRPOTrainer):
             count = count * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return count
 
+    def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """TRL's top-entropy threshold: the quantile over every process's completion tokens."""
+        local = entropy[mask].float()  # boolean indexing syncs, as TRL's own gather does
+        sentinel = -1e9  # entropies are >= 0: padding can never pass for one
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=sentinel))
+        gathered = gathered[gathered != sentinel]
+        if gathered.numel() == 0:
+            return torch.tensor(float("inf"), device=entropy.device)
+        return torch.quantile(gathered, 1 - self.top_entropy_quantile)
+
     def _compute_loss(self, model, inputs):
         reason = self._gspo_unsupported(model, inputs)
         if reason is not None:
@@ -185,16 +195,39 @@ class GRPOTrainer(trl.GRPOTrainer):
         mask = mask != 0
         backbone, weight, bias = self._gspo_head(model)
         hidden = self._gspo_hidden(backbone, input_ids, attention_mask, completion_ids.size(1), weight.dtype)
+        # Stage 1 (fused linear: no logits) with both outputs differentiable, then stage 2 on them,
+        # so that TRL's entropy bonus can be added on its own terms.
+        logp, entropy = fused_linear_selective_log_softmax(hidden, weight, completion_ids, bias=bias,
+                                                           temperature=self.temperature, return_entropy=True,
+                                                           mask=mask)
         config = self._trl_config()
-        advantages = inputs["advantages"]
+        threshold = self._entropy_threshold(entropy.detach(), mask) if config.top_entropy_quantile < 1.0 else None
         rollout = inputs.get("sampling_per_token_logps") if config.rollout_correction or \
             config.off_policy_mask_threshold is not None else None
-        loss, metrics = fused_linear_gspo_loss(
-            hidden, weight, completion_ids, inputs.get("old_per_token_logps"), advantages, bias=bias, mask=mask,
+        loss, metrics = policy_loss(
+            logp, inputs.get("old_per_token_logps"), inputs["advantages"], mask=mask, entropy=entropy,
             ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            rollout_logprobs=rollout, normalizer=self._trl_normalizer(inputs, mask), config=config)
+            rollout_logprobs=rollout, normalizer=self._trl_normalizer(inputs, mask), entropy_threshold=threshold,
+            config=config)
+        if self.entropy_coef != 0.0:
+            loss = self._with_entropy_bonus(loss, entropy, mask, threshold)
         self._log_trl_metrics(metrics, inputs, mask)
         return loss
+
+    def _with_entropy_bonus(self, loss, entropy, mask, threshold):
+        """TRL's bonus: a token mean of the entropy over the tokens the policy term acts on,
+        divided by the accumulation steps whatever the loss type, times entropy_coef."""
+        mode = "train" if self.model.training else "eval"
+        acting = mask if threshold is None else mask & (entropy.detach() >= threshold)
+        acting_f = acting.float()
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        bonus = (entropy * acting_f).sum() / acting_f.sum().clamp(min=1.0) / accumulation
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(loss.detach() * accumulation if self.loss_type not in ("dapo", "cispo")
+                                    else loss.detach()).nanmean().item())
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return loss - self.entropy_coef * bonus
 
     # --- TRL's metrics, under TRL's names ---------------------------------------------------
 
