@@ -46,6 +46,9 @@ compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/sanitizer_
 step "distributed: the NCCL path in a group of one GPU"
 timeout 120 "$PY" benchmarks/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9 || status=1
 
+step "fused-linear tile kernels on the GPU against the float64 reference"
+timeout 150 "$PY" -m pytest tests/test_fused_linear_tiled.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_tiles.txt" | tail -n 4 || status=1
+
 step "test suite on the GPU"
 # The GPU backends only (the cpu and torch ones ran in CI): the row rule, packed isolation,
 # precision probes and the objective grid included.
@@ -56,7 +59,7 @@ step "benchmark: N = 16384, V = 151936, bf16"
     --reps 10 --budget 10 --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt" | grep -v '^\[' || status=1
 
 step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
-"$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,liger,cce,fused --modes fwd+bwd \
+"$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,liger,cce,fused,fused_tiles --modes fwd+bwd \
     --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | tee "$OUT/gpu_bench_linear.txt" | grep -v '^\[' || status=1
 
 step "done: status $status"

@@ -26,6 +26,16 @@ from . import backends
 from .backends.grad_inputs import GradInputs, upstream_grads
 from .config import BACKENDS, GSPOConfig, check_temperature
 from .distributed.vocab_parallel import VocabShard, first_logit
+from .fused_linear_tiled import TiledLinearTokenStats
+
+try:
+    from .backends.triton_linear import DEFAULT_FILTER_EPS
+    from .backends.triton_linear import available as triton_linear_available
+except ImportError:  # no triton: only the chunked path
+    DEFAULT_FILTER_EPS = 0.0
+
+    def triton_linear_available(device) -> bool:
+        return False
 from .inputs import check_logits_and_targets, check_mask, prepare_batch
 from .sequence import gspo_objective
 
@@ -112,6 +122,8 @@ class LinearPass:
     weight_grad_fp32: bool
     shard: VocabShard | None = None  # vocab-parallel: the weight holds this rank's vocab slice
     reduce_hidden_grad: bool = True  # with a shard: sum d hidden over the tensor-parallel group
+    fused: bool = False  # the Triton kernels with logits only in on-chip tiles (fused_linear_tiled.py)
+    filter_eps: float = 0.0  # fused: skip tiles whose probabilities are all below this (0: never)
 
 
 class FusedLinearTokenStats(torch.autograd.Function):
@@ -237,28 +249,48 @@ class LinearOptions:
     tp_group: object = None
     vocab_start: int | None = None
     reduce_hidden_grad: bool = True
+    fused: bool = False
+    grad_filter_eps: float = DEFAULT_FILTER_EPS
 
     def resolve(self, rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> LinearPass:
-        for name in ("weight_grad_fp32", "reduce_hidden_grad"):
+        for name in ("weight_grad_fp32", "reduce_hidden_grad", "fused"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
-        resolved = backends.resolve(self.backend, _logits_stand_in(hidden, weight))
+        eps = self.grad_filter_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ValueError(f"grad_filter_eps must be a probability in [0, 1) (0: no filtering); got {eps!r}")
+        # fused=True is the Triton tile kernels: 'auto' means them.
+        backend = "triton" if self.fused and self.backend == "auto" else self.backend
+        resolved = backends.resolve(backend, _logits_stand_in(hidden, weight))
+        if self.fused:
+            _check_fused(resolved, hidden)
         chunk = self.chunk_size or default_chunk_rows(rows.shape[0], weight.shape[0], hidden.device)
         shard = VocabShard.of(self.tp_group, self.vocab_start, weight.shape[0])
         return LinearPass(1.0 / self.temperature, resolved, chunk, self.weight_grad_fp32, shard,
-                          self.reduce_hidden_grad)
+                          self.reduce_hidden_grad, self.fused, float(eps) if self.fused else 0.0)
+
+
+def _check_fused(resolved_backend: str, hidden: torch.Tensor) -> None:
+    if resolved_backend != "triton":
+        raise ValueError(f"fused=True runs the Triton kernels; got backend {resolved_backend!r} (use 'auto' or "
+                         "'triton')")
+    if not triton_linear_available(hidden.device):
+        raise ValueError(f"fused=True needs CUDA tensors, or Triton's interpreter for CPU tensors (TRITON_INTERPRET=1 "
+                         f"before gspo_kernels is imported); got {hidden.device}")
 
 
 def _stats(rows, hidden, weight, bias, targets_flat, row_mask, options: LinearOptions):
     how = options.resolve(rows, hidden, weight)
-    return FusedLinearTokenStats.apply(rows, weight, bias, targets_flat, row_mask, how)
+    function = TiledLinearTokenStats if how.fused else FusedLinearTokenStats
+    return function.apply(rows, weight, bias, targets_flat, row_mask, how)
 
 
 def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, chunk_size=None,
                            weight_grad_fp32=True, mask=None, cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None,
                            normalizer=None, entropy_threshold=None, tp_group=None, vocab_start=None, cp_group=None,
-                           reduce_hidden_grad=True, config: GSPOConfig | None = None, **options):
+                           reduce_hidden_grad=True, fused=False, grad_filter_eps=DEFAULT_FILTER_EPS,
+                           config: GSPOConfig | None = None, **options):
     """gspo_loss on the logits `hidden @ weight.T + bias`, never holding them whole.
 
     hidden: `(B, T, H)` or `(N, H)` (strided rows such as `hidden[:, :-1]` are copied once into
@@ -271,6 +303,11 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     in gspo_loss); `d hidden` is then summed over tp_group, unless reduce_hidden_grad=False,
     for a framework whose own layer all-reduces the input gradient (Megatron's
     copy_to_tensor_model_parallel_region does). cp_group as in gspo_loss.
+
+    fused=True: the Triton kernels with the logits only in on-chip tiles (CUDA tensors, or CPU
+    tensors under TRITON_INTERPRET=1): float32 atomics in backward (not bit-reproducible).
+    grad_filter_eps > 0 turns on gradient filtering: a tile in which each row's probability
+    mass is below it skips its backward products (off by default). README, "Fused kernel".
     """
     if config is None:
         config = GSPOConfig(**options)
@@ -281,7 +318,7 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
                           cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                           normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group)
     options = LinearOptions(config.temperature, config.backend, chunk_size, weight_grad_fp32, tp_group, vocab_start,
-                            reduce_hidden_grad)
+                            reduce_hidden_grad, fused, grad_filter_eps)
     logp, entropy = _stats(rows, hidden, weight, bias, batch.targets, batch.mask, options)
     return gspo_objective(config, batch, logp, entropy)
 
@@ -289,10 +326,10 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
                                        return_entropy=False, chunk_size=None, backend="auto", mask=None,
                                        weight_grad_fp32=True, tp_group=None, vocab_start=None,
-                                       reduce_hidden_grad=True):
+                                       reduce_hidden_grad=True, fused=False, grad_filter_eps=DEFAULT_FILTER_EPS):
     """selective_log_softmax on the logits `hidden @ weight.T + bias`, chunk by chunk, with
     the full backward (entropy gradient included) to hidden, weight and bias. tp_group,
-    vocab_start and reduce_hidden_grad as in fused_linear_gspo_loss."""
+    vocab_start, reduce_hidden_grad, fused and grad_filter_eps as in fused_linear_gspo_loss."""
     temperature = check_temperature(temperature)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
@@ -300,7 +337,7 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     targets_flat = check_logits_and_targets(_logits_stand_in(hidden, weight), target_ids)
     row_mask = None if mask is None else check_mask(mask, target_ids.shape, hidden.device)
     options = LinearOptions(temperature, backend, chunk_size, weight_grad_fp32, tp_group, vocab_start,
-                            reduce_hidden_grad)
+                            reduce_hidden_grad, fused, grad_filter_eps)
     logp, entropy = _stats(rows, hidden, weight, bias, targets_flat, row_mask, options)
     logp = logp.reshape(target_ids.shape)
     return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp
@@ -313,16 +350,21 @@ class FusedLinearGSPOLoss(torch.nn.Module):
         loss, metrics = loss_fn(hidden, model.lm_head, target_ids, old_logprobs, advantages, mask=mask)
     """
 
-    def __init__(self, chunk_size: int | None = None, weight_grad_fp32: bool = True, **options) -> None:
+    def __init__(self, chunk_size: int | None = None, weight_grad_fp32: bool = True, fused: bool = False,
+                 grad_filter_eps: float = DEFAULT_FILTER_EPS, **options) -> None:
         super().__init__()
         self.chunk_size = chunk_size
         self.weight_grad_fp32 = weight_grad_fp32
+        self.fused = fused
+        self.grad_filter_eps = grad_filter_eps
         self.config = GSPOConfig(**options)
 
     def forward(self, hidden, lm_head: torch.nn.Linear, target_ids, old_logprobs, advantages, **tensors):
         return fused_linear_gspo_loss(hidden, lm_head.weight, target_ids, old_logprobs, advantages,
                                       bias=lm_head.bias, chunk_size=self.chunk_size,
-                                      weight_grad_fp32=self.weight_grad_fp32, config=self.config, **tensors)
+                                      weight_grad_fp32=self.weight_grad_fp32, fused=self.fused,
+                                      grad_filter_eps=self.grad_filter_eps, config=self.config, **tensors)
 
     def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, weight_grad_fp32={self.weight_grad_fp32}, {self.config!r}"
+        return (f"chunk_size={self.chunk_size}, weight_grad_fp32={self.weight_grad_fp32}, fused={self.fused}, "
+                f"grad_filter_eps={self.grad_filter_eps}, {self.config!r}")

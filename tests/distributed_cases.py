@@ -36,6 +36,7 @@ class Case:
     even_vocab: bool = False  # V divisible by the tp size, default vocab_start
     entry: str = "loss"  # or selective (selective_log_softmax with entropy)
     edges: bool = False  # rows that stress the vocab-parallel merge (selective, padded only)
+    fused: bool = False  # fused linear through the Triton tile kernels (fused=True)
     options: tuple = field(default_factory=tuple)  # extra GSPOConfig options, (key, value) pairs
 
     @property
@@ -49,6 +50,8 @@ class Case:
             parts.append(self.entry)
         if self.edges:
             parts.append("edges")
+        if self.fused:
+            parts.append("fused")
         parts += [f"{k}={v}" for k, v in self.options]
         return "-".join(parts)
 
@@ -89,6 +92,9 @@ def cases(world: int) -> list[Case]:
              Case("tp", "padded", options=(("inplace", True),)), Case("tp", "packed", linear=True, dtype="bfloat16")]
     grid += [Case("tp", "padded", backend=b, dtype="float64" if b == "torch" else "float32", entry="selective",
                   edges=True) for b in ("cpu",) + extra_backends]
+    if "triton" in extra_backends:  # the tile kernels with vocab slices (and their one-hot rule)
+        grid += [Case(split, "packed", linear=True, backend="triton", fused=True) for split in ("tp", "cp")]
+        grid += [Case("tp", "padded", linear=True, backend="triton", fused=True, entry="selective")]
     return grid
 
 
@@ -261,7 +267,7 @@ def _run(case: Case, p: dict, view: RankView | None, normalizer=None):
     opts = _options(case)
     linear_kw = {}
     if case.linear:
-        linear_kw = {"bias": leaves["bias"], "chunk_size": 5}
+        linear_kw = {"bias": leaves["bias"], "chunk_size": 5, "fused": case.fused}
         if view is not None and "tp_group" in groups:
             linear_kw["reduce_hidden_grad"] = dict(case.options).get("reduce_hidden_grad", True)
     if case.entry == "selective":

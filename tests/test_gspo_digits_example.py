@@ -4,6 +4,7 @@ reward-curve PNG), and the same task through TRL's trainer with the gspo_kernels
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def test_trl_drop_in_learns_the_task():
     spec = importlib.util.spec_from_file_location("gspo_digits_trl", EXAMPLE.with_name("gspo_digits_trl.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    rewards = module.main(["--steps", "40"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rewards = module.main(["--steps", "40"])
+    assert not [w for w in caught if str(w.message).startswith("gspo_kernels:")], "the drop-in fell back to TRL"
     assert len(rewards) == 20
     assert sum(rewards[-8:]) / 8 > sum(rewards[:8]) / 8 + 0.15, rewards

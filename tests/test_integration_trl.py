@@ -60,18 +60,21 @@ def _batch(trainer) -> dict:
 
     mask = completion_mask.float()
     # Whole sequences shifted too, so that sequence-level ratios leave the clip range both ways.
-    old = near(0.05) + torch.tensor([0.0, 0.05, 0.0, -0.05, 0.0, 0.03])[:, None] * completion_mask
+    # Row 5 far off-policy: its ratios pass delta (1.5) and both clip ranges.
+    old = near(0.05) + torch.tensor([0.0, 0.05, 0.0, -0.05, 0.0, -0.6])[:, None] * completion_mask
     sampling = near(0.04)
     sampling[3, 1] = float("nan")  # a token the sampler could not score
+    advantages = torch.randn(ROWS, generator=gen)
+    advantages[5] = -0.8  # negative on the far off-policy row: the unclipped side, where delta caps
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": torch.randn(ROWS, generator=gen),
+            "completion_mask": completion_mask, "advantages": advantages,
             "num_items_in_batch": mask.sum(), "old_per_token_logps": old, "ref_per_token_logps": near(0.1),
             "sampling_per_token_logps": sampling}
 
 
 def _is_ratio(trainer, batch) -> torch.Tensor:
     """TRL's importance_sampling_ratio for the trainer's mode (its formula, in the test)."""
-    mask = batch["completion_mask"]
+    mask = batch["completion_mask"] * batch.get("tool_mask", 1)
     diff = torch.nan_to_num((batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * mask, nan=0.0)
     mode = trainer.vllm_importance_sampling_mode
     if mode.startswith("sequence"):
@@ -106,23 +109,30 @@ def _configure(trainer, case: dict) -> None:
         trainer.vllm_importance_sampling_clip_min = 0.97 if case["rollout"].endswith("mask") else None
         trainer.vllm_importance_sampling_clip_max = 1.03
     trainer.current_gradient_accumulation_steps = 2
-    trainer.model.train()
-    trainer._metrics["train"].clear()
+    trainer.model.train(not case.get("eval", False))
+    for mode in ("train", "eval"):
+        trainer._metrics[mode].clear()
 
 
 def _run(trainer, batch, case):
     _configure(trainer, case)
     inputs = dict(batch)
-    if case.get("rollout") is not None:
-        inputs["importance_sampling_ratio"] = _is_ratio(trainer, batch)
     if case.get("tool_mask"):
         inputs["tool_mask"] = torch.ones_like(batch["completion_mask"])
         inputs["tool_mask"][1, 1] = 0
+        inputs["tool_mask"][3, 2] = 0
+    if case.get("rollout") is not None:
+        inputs["importance_sampling_ratio"] = _is_ratio(trainer, inputs)
+    else:  # as TRL hands it over without vLLM: no sampler log-probs
+        del inputs["sampling_per_token_logps"]
+    if case.get("on_policy"):  # TRL drops old log-probs when they equal the current ones
+        del inputs["old_per_token_logps"]
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+    metrics = {f"{mode}/{k}": list(v) for mode in ("train", "eval") for k, v in trainer._metrics[mode].items()}
+    return loss.detach(), grads, metrics
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,6 +167,12 @@ EXTRAS = [
     dict(level="sequence", loss_type="bnpo", beta=0.0, top_entropy_quantile=0.5),
     dict(level="token", loss_type="grpo", beta=0.0, off_policy_mask_threshold=0.001, rollout="token_truncate"),
     dict(level="sequence", loss_type="grpo", beta=0.0, tool_mask=True),
+    dict(level="token", loss_type="grpo", beta=0.04, tool_mask=True, rollout="sequence_mask"),
+    dict(level="sequence", loss_type="dapo", beta=0.04, eval=True),
+    dict(level="sequence", loss_type="grpo", beta=0.0, eval=True, entropy_coef=0.01),
+    dict(level="token", loss_type="bnpo", beta=0.04, on_policy=True),
+    dict(level="sequence", loss_type="grpo", beta=0.0, off_policy_mask_threshold=0.001),
+    dict(level="sequence", loss_type="grpo", beta=0.0, delta=1.5),
     dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01),
     dict(level="token", loss_type="dapo", beta=0.04, entropy_coef=0.02, top_entropy_quantile=0.5),
     dict(level="sequence", loss_type="bnpo", beta=0.0, entropy_coef=-0.01),
@@ -196,9 +212,27 @@ def test_fallback_warns_once_and_matches_trl(trainers, case):
         _run(ours, batch, case)
 
 
+def test_no_grad_log_probs_match_trl(trainers):
+    """The old/reference log-prob pass (chunked by batch_size, left padding) against TRL's."""
+    theirs, ours = trainers
+    batch = _batch(theirs)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        want = trl.GRPOTrainer._get_per_token_logps_and_entropies(theirs, theirs.model, ids, attention, COMPLETION,
+                                                                  batch_size=4, compute_entropy=True)
+        got = ours._get_per_token_logps_and_entropies(ours.model, ids, attention, COMPLETION, batch_size=4,
+                                                      compute_entropy=True)
+    for name, a, b in zip(("log-probs", "entropies"), got[:2], want[:2]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (name, float((a - b).abs().max()))
+
+
 def test_train_step_offline(tmp_path):
-    """A whole train() step, generation included, through the drop-in."""
+    """A whole train() step, generation included, through the drop-in, with no fallback."""
     trainer = _trainer(GRPOTrainer, _model(), tmp_path)
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if str(w.message).startswith("gspo_kernels:")]
     logged = trainer.state.log_history[0]
     assert math.isfinite(logged["loss"]) and "entropy" in logged and "clip_ratio/region_mean" in logged

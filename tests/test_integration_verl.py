@@ -5,6 +5,7 @@ against the model's own logits."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -51,9 +52,10 @@ def _run(name, config, agg, with_weights):
 
 CASES = [dict(mode=mode, agg=agg, weights=w, clip=clip, info=info)
          for mode, agg, w, clip, info in itertools.product(
-             ("vanilla", "gspo", "sapo", "cispo"), AGGS, (False, True), ("symmetric", "asymmetric"),
-             ("local", "global"))
-         if not (info == "global" and agg == "token-sum" and w)]
+             ("vanilla", "gspo", "sapo", "cispo"), AGGS, (False, True), ("symmetric", "asymmetric", "dual"),
+             ("local", "global"))]
+CLIPS = {"symmetric": dict(clip_ratio_low=0.05, clip_ratio_high=0.05), "asymmetric": dict(clip_ratio_low=0.05, clip_ratio_high=0.08),
+         "dual": dict(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.05)}  # dual: verl's dual clip acts on the A < 0 rows
 
 
 def _case_id(case):
@@ -62,8 +64,7 @@ def _case_id(case):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_policy_loss_matches_verl(case):
-    clip = dict(clip_ratio_low=0.05, clip_ratio_high=0.08) if case["clip"] == "asymmetric" else {}
-    config = _actor_config(**clip)
+    config = _actor_config(**CLIPS[case["clip"]])
     if case["info"] == "global":  # as verl's actor sets it: this rank's share of a 2-rank batch
         config.global_batch_info.update(dp_size=2, batch_num_tokens=61, global_batch_size=11, loss_scale_factor=12)
     want_loss, want_grad, want_metrics = _run(case["mode"], config, case["agg"], case["weights"])
@@ -76,18 +77,67 @@ def test_policy_loss_matches_verl(case):
 
 
 def test_the_batch_clips_both_ways():
-    """The grid would prove little if nothing clipped: the batch clips at token and sequence level."""
-    config = _actor_config(clip_ratio_low=0.05, clip_ratio_high=0.08)
-    for mode in ("vanilla", "gspo"):
-        _, _, metrics = _run(mode, config, "token-mean", False)
-        assert 0 < metrics["actor/pg_clipfrac"] < 1, mode
-    _, _, metrics = _run("vanilla", _actor_config(clip_ratio_c=1.05), "token-mean", False)
+    """The grid would prove little if nothing clipped: each clip setting of the grid clips here,
+    at token and sequence level, and the dual clip acts."""
+    for clip, options in CLIPS.items():
+        for mode in ("vanilla", "gspo", "cispo"):
+            _, _, metrics = _run(mode, _actor_config(**options), "token-mean", False)
+            assert 0 < metrics["actor/pg_clipfrac"] < 1, (clip, mode)
+    _, _, metrics = _run("vanilla", _actor_config(**CLIPS["dual"]), "token-mean", False)
     assert metrics["actor/pg_clipfrac_lower"] > 0
+
+
+def test_settings_we_refuse_fall_back_to_verl_with_a_warning():
+    config = _actor_config(clip_ratio_low=1.0, clip_ratio_high=0.3)  # CISPO with no lower bound
+    gk_verl._warned.clear()
+    with pytest.warns(UserWarning, match="gspo_kernels: gk_cispo"):
+        got = _run("gk_cispo", config, "token-mean", True)
+    want = _run("cispo", config, "token-mean", True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_external_modules_env_registers_in_a_fresh_process():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="gspo_kernels.integrations.verl")
+    code = "import verl; from verl.trainer.ppo.core_algos import get_policy_loss_fn; get_policy_loss_fn('gk_gspo')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_registered_names():
     for name in ("gk_vanilla", "gk_gspo", "gk_sapo", "gk_cispo"):
         assert core_algos.get_policy_loss_fn(name) is gk_verl.POLICY_LOSSES[name]
+
+
+def test_fused_forward_packed_shift_labels_and_gradients():
+    """verl's padding-free layout: one (1, nnz) row with pre-shifted labels; gradients of a mix
+    of log-probs and entropies against the model's own float64 logits."""
+    from verl.models.transformers import monkey_patch
+
+    model = tiny_llama(vocab=64)
+    reference = copy.deepcopy(model).double()
+    ids = torch.randint(0, 60, (1, 11))
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3]])  # three packed sequences
+    shift = torch.roll(ids, -1, -1)
+    weights = torch.linspace(0.5, 1.5, 11, dtype=torch.float64)
+    logits = reference(input_ids=ids, position_ids=position_ids).logits / 0.9
+    logp = torch.log_softmax(logits, -1)
+    want_logp = logp.gather(-1, shift[..., None]).squeeze(-1)
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    ((want_logp * weights).sum() + 0.3 * want_entropy.sum()).backward()
+    original = type(model).forward
+    try:
+        monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
+        out = model(input_ids=ids, position_ids=position_ids, shift_labels=shift, temperature=0.9, return_dict=True)
+        ((out.log_probs.double() * weights).sum() + 0.3 * out.entropy.double().sum()).backward()
+    finally:
+        type(model).forward = original
+    assert torch.allclose(out.log_probs.double(), want_logp, atol=2e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p.grad.double(), q.grad, rtol=1e-3, atol=1e-5), name
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -50,6 +50,7 @@ def main() -> int:
                 aligned=["logits_ptr", "grad_ptr", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "vocab"],
             )))
     failures = 0
+    failures += compile_linear_kernels()
     for dtype, name, k in compiled:
         ptx = k.asm["ptx"]
         wide_loads = "ld.global.v4" in ptx
@@ -58,6 +59,59 @@ def main() -> int:
               f"16-byte loads: {wide_loads}, 16-byte stores: {wide_stores}")
         failures += not (wide_loads and wide_stores)
     return 1 if failures else 0
+
+
+def spill_bytes(ptx: str) -> tuple[int, int]:
+    """(registers, spill store + load bytes) that ptxas reports for the kernel's PTX at sm_90."""
+    import pathlib
+    import re
+    import subprocess
+    import tempfile
+
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(src.with_suffix(".cubin"))],
+                             capture_output=True, text=True, check=True)
+    info = out.stdout + out.stderr
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
+    return registers, spills
+
+
+def compile_linear_kernels() -> int:
+    """The fused-linear kernels at their GPU tile sizes: they must build for sm_90 with no
+    register spills. Returns the number of failures; prints one line per kernel."""
+    from gspo_kernels.backends import triton_linear_kernels as L
+    from gspo_kernels.backends.triton_linear import TileConfig
+
+    failures = 0
+    for dtype in ("bf16", "fp16", "fp32"):
+        ieee = dtype == "fp32"
+        # triton_linear.TileConfig.default on a GPU (written out: this script runs uninterpreted)
+        tiles = TileConfig(32, 64, 32, 8) if ieee else TileConfig(64, 128, 32, 8)
+        blocks = {"BLOCK_N": tiles.block_n, "BLOCK_V": tiles.block_v, "BLOCK_H": tiles.block_h}
+        common = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "targets_ptr": "*i64"}
+        sizes = {"n_rows": "i32", "vocab": "i32", "hidden_size": "i32", "stride_h": "i64", "stride_w": "i64",
+                 "inv_temperature": "fp32"}
+        kernels = [("linear_token_stats", L.linear_token_stats_kernel,
+                    {**common, "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", **sizes},
+                    {"HAS_BIAS": True, "IEEE": ieee, **blocks})]
+        for has_h in (False, True):
+            kernels.append((f"linear_grad(entropy={has_h})", L.linear_grad_kernel,
+                            {**common, "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32",
+                             "grad_entropy_ptr": "*fp32", "row_mask_ptr": "*i1", "dh_ptr": "*fp32", "dw_ptr": "*fp32",
+                             "db_ptr": "*fp32", **sizes, "filter_eps": "fp32"},
+                            {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": True, "NEED_DH": True,
+                             "NEED_DW": True, "NEED_DB": True, "FILTER": True, "IEEE": ieee, **blocks}))
+        for name, fn, signature, constexprs in kernels:
+            k = compile_kernel(fn, signature, constexprs, aligned=["h_ptr", "w_ptr", "stride_h", "stride_w"])
+            registers, spills = spill_bytes(k.asm["ptx"])
+            print(f"{dtype:5s} {name:38s} sm_90 cubin {len(k.asm['cubin']):6d} B, {registers} registers, "
+                  f"spill bytes: {spills}")
+            failures += spills != 0
+    return failures
 
 
 if __name__ == "__main__":

@@ -34,13 +34,16 @@ def merge_softmax_stats(m1, s1, a1, m2, s2, a2):
 
 
 @triton.jit
-def _block_softmax_stats(z):
+def block_softmax_stats(z, AXIS: tl.constexpr):
+    """(m, s, a) of a block of logits along AXIS: 0 for a row's block here, 1 for a
+    (rows, vocab) tile in the fused-linear kernels."""
     # One max per block and one exp per element: the exp unit, not memory, is the
     # tighter limit for 16-bit logits on Hopper, so a per-element rescale would cost.
-    m = tl.max(z, 0)
+    m = tl.max(z, AXIS)
     shift = _finite_or_zero(m)
-    e = tl.exp(z - shift)
-    return m, tl.sum(e, 0), tl.sum(tl.where(e == 0, 0.0, e * (z - shift)), 0)
+    moved = z - tl.expand_dims(shift, AXIS)
+    e = tl.exp(moved)
+    return m, tl.sum(e, AXIS), tl.sum(tl.where(e == 0, 0.0, e * moved), AXIS)
 
 
 @triton.jit
@@ -53,9 +56,9 @@ def _load_scaled(row_ptr, idx, vocab, inv_temperature):
 def online_softmax_stats(row_ptr, vocab, inv_temperature, BLOCK_V: tl.constexpr):
     """The online-softmax loop: (m, s, a) of one row, reading it once."""
     cols = tl.arange(0, BLOCK_V)
-    m, s, a = _block_softmax_stats(_load_scaled(row_ptr, cols, vocab, inv_temperature))
+    m, s, a = block_softmax_stats(_load_scaled(row_ptr, cols, vocab, inv_temperature), 0)
     for start in range(BLOCK_V, vocab, BLOCK_V):
-        bm, bs, ba = _block_softmax_stats(_load_scaled(row_ptr, start + cols, vocab, inv_temperature))
+        bm, bs, ba = block_softmax_stats(_load_scaled(row_ptr, start + cols, vocab, inv_temperature), 0)
         m, s, a = merge_softmax_stats(m, s, a, bm, bs, ba)
     return m, s, a
 

@@ -111,6 +111,16 @@ def _fused(h, w, p):
                                   eps_high=EPS_HIGH)[0]
 
 
+def _fused_tiles(h, w, p):
+    return fused_linear_gspo_loss(h, w, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
+                                  eps_high=EPS_HIGH, fused=True)[0]
+
+
+def _gpu_only(device: str) -> str | None:
+    # Through Triton's interpreter on a CPU it runs, but at numpy speed: not a contender there.
+    return None if device == "cuda" else "needs a CUDA GPU (the Triton tile kernels)"
+
+
 def _liger(h, w, p):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -148,6 +158,7 @@ LINEAR_PROVIDERS = {
         Provider("liger", _step(_liger, cpu_inputs_fp32=True), requires("liger_kernel.chunked_loss", "liger-kernel")),
         Provider("cce", _step(_cce), requires("cut_cross_entropy", "cut-cross-entropy", gpu_only=True)),
         Provider("fused", _step(_fused), _always, ours=True),
+        Provider("fused_tiles", _step(_fused_tiles), _gpu_only, ours=True),
     ]
 }
 

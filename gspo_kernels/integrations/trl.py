@@ -14,10 +14,14 @@ Tested against trl 1.16 (`tests/test_integration_trl.py`); the README states the
 
 from __future__ import annotations
 
+import types
 import warnings
+from dataclasses import dataclass
 
 import torch
 import trl
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from accelerate.utils import is_peft_model
 
 from ..config import GSPOConfig
 from ..fused_linear import fused_linear_selective_log_softmax
@@ -45,12 +49,59 @@ def _scaled_logits(config) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _StatsRequest:
+    """What the patched forward computes instead of logits: the completion's token stats."""
+
+    targets: torch.Tensor  # (B, C) completion ids
+    mask: torch.Tensor  # (B, C) bool: the rows in the loss
+    temperature: float
+    head_in_fp32: bool
+
+
+def _install_stats_forward(model) -> None:
+    """Wraps the model's forward so that `model(..., gspo_stats=request)` runs the backbone and
+    returns the completion's (log-probs, entropies) from fused_linear_selective_log_softmax.
+
+    It is called through the model as the trainer holds it (DDP, FSDP, accelerate wrappers),
+    so their forward hooks and gradient synchronisation run as for any forward. The lm_head is
+    read inside that forward, as TRL's own fused head reads it."""
+    previous = model.forward
+
+    def forward(self, *args, gspo_stats: _StatsRequest | None = None, **kwargs):
+        if gspo_stats is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        completion = gspo_stats.targets.shape[1]
+        hidden = hidden[:, -completion - 1:-1]  # the positions that predict the completion
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the whole head, as TRL's fused head does
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        if gspo_stats.head_in_fp32:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        # The head's products are formed by our kernels (float32 results), not by autocast.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return fused_linear_selective_log_softmax(
+                hidden.to(weight.dtype), weight, gspo_stats.targets, bias=bias, temperature=gspo_stats.temperature,
+                return_entropy=True, mask=gspo_stats.mask)
+
+    model.forward = types.MethodType(forward, model)
+
+
 class GRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer whose log-probs, entropies and policy loss come from gspo_kernels."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._gspo_warned: set[str] = set()
+        self._gspo_in_fallback = False
+        _install_stats_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        if self.ref_model is not None:
+            _install_stats_forward(self.ref_model)
 
     # --- what the fused path cannot do -----------------------------------------------------
 
@@ -68,9 +119,25 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction and \
                 self.vllm_importance_sampling_mode not in _ROLLOUT_MODES:
             return f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}"
-        scaled = _scaled_logits(self.accelerator.unwrap_model(model).config)
+        return self._gspo_unsupported_model(model) or self._gspo_unsupported_config()
+
+    def _gspo_unsupported_model(self, model) -> str | None:
+        unwrapped = self.accelerator.unwrap_model(model)
+        if is_deepspeed_zero3_enabled():
+            return "DeepSpeed ZeRO-3 (its lm_head gather around a recomputing backward)"
+        peft_config = getattr(unwrapped, "peft_config", None)
+        if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+            return "PEFT prompt learning (its virtual tokens enter through the PEFT wrapper)"
+        scaled = _scaled_logits(unwrapped.config)
         if scaled is not None:
             return f"a model whose logits are transformed ({scaled})"
+        return None
+
+    def _gspo_unsupported_config(self) -> str | None:
+        try:
+            self._trl_config()
+        except ValueError as error:  # a setting TRL takes that our options refuse
+            return f"these settings ({error})"
         return None
 
     def _gspo_fallback(self, reason: str) -> None:
@@ -79,50 +146,28 @@ class GRPOTrainer(trl.GRPOTrainer):
             warnings.warn(f"gspo_kernels: {reason} is not supported by the fused loss; this trainer runs TRL's own "
                           "loss code for it", stacklevel=3)
 
-    # --- the model pieces ------------------------------------------------------------------
-
-    def _gspo_head(self, model):
-        """(backbone, lm_head weight, bias) of the unwrapped model (PEFT and FSDP2 included)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        if hasattr(unwrapped, "get_base_model"):  # PEFT
-            unwrapped = unwrapped.get_base_model()
-        head = unwrapped.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the whole head, as TRL's own fused head does
-            weight = weight.full_tensor()
-            bias = None if bias is None else bias.full_tensor()
-        if self.args.cast_lm_head_to_fp32:
-            weight = weight.float()
-            bias = None if bias is None else bias.float()
-        return unwrapped.base_model, weight, bias
-
-    def _gspo_hidden(self, backbone, input_ids, attention_mask, completion_len: int, dtype) -> torch.Tensor:
-        """The hidden states that predict the completion tokens: positions -C-1 .. -2."""
-        with self.accelerator.autocast():  # the trainer's mixed precision, as TRL runs its model
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return hidden[:, -completion_len - 1:-1].to(dtype)
+    def _gspo_stats(self, model, input_ids, attention_mask, completion_len: int):
+        """(log-probs, entropies) of the completion tokens, through the model's patched forward."""
+        request = _StatsRequest(input_ids[:, -completion_len:], attention_mask[:, -completion_len:] != 0,
+                                self.temperature, bool(self.args.cast_lm_head_to_fp32))
+        with self.accelerator.autocast():  # the trainer's mixed precision for the backbone, as TRL runs it
+            return model(input_ids=input_ids, attention_mask=attention_mask, gspo_stats=request)
 
     # --- log-probs without a gradient (old and reference policies) ------------------------
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        if compute_aux_loss or any(v is not None for v in multimodal.values()) or \
-                _scaled_logits(self.accelerator.unwrap_model(model).config) is not None:
+        if self._gspo_in_fallback or compute_aux_loss or any(v is not None for v in multimodal.values()) or \
+                self._gspo_unsupported_model(model) is not None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
-        backbone, weight, bias = self._gspo_head(model)
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
-            ids, attention = input_ids[rows], attention_mask[rows]
-            hidden = self._gspo_hidden(backbone, ids, attention, logits_to_keep, weight.dtype)
-            targets = ids[:, -logits_to_keep:]
-            mask = attention[:, -logits_to_keep:] != 0
-            logp, entropy = fused_linear_selective_log_softmax(hidden, weight, targets, bias=bias,
-                                                               temperature=self.temperature, return_entropy=True,
-                                                               mask=mask)
+            logp, entropy = self._gspo_stats(model, input_ids[rows], attention_mask[rows], logits_to_keep)
+            mask = attention_mask[rows, -logits_to_keep:] != 0
             # TRL's convention: zeros outside the completion.
             logps.append(torch.where(mask, logp, torch.zeros_like(logp)))
             entropies.append(torch.where(mask, entropy, torch.zeros_like(entropy)))
@@ -187,19 +232,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         reason = self._gspo_unsupported(model, inputs)
         if reason is not None:
             self._gspo_fallback(reason)
-            return super()._compute_loss(model, inputs)
+            self._gspo_in_fallback = True  # TRL's code throughout, its log-prob pass included
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._gspo_in_fallback = False
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
         mask = mask != 0
-        backbone, weight, bias = self._gspo_head(model)
-        hidden = self._gspo_hidden(backbone, input_ids, attention_mask, completion_ids.size(1), weight.dtype)
         # Stage 1 (fused linear: no logits) with both outputs differentiable, then stage 2 on them,
-        # so that TRL's entropy bonus can be added on its own terms.
-        logp, entropy = fused_linear_selective_log_softmax(hidden, weight, completion_ids, bias=bias,
-                                                           temperature=self.temperature, return_entropy=True,
-                                                           mask=mask)
+        # so that TRL's entropy bonus can be added on its own terms. The stats mask is the
+        # completion's (tool tokens keep their log-probs for the metrics, as in TRL).
+        logp, entropy = self._gspo_stats(model, input_ids, attention_mask, completion_ids.size(1))
         config = self._trl_config()
         threshold = self._entropy_threshold(entropy.detach(), mask) if config.top_entropy_quantile < 1.0 else None
         rollout = inputs.get("sampling_per_token_logps") if config.rollout_correction or \
@@ -241,7 +287,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         logp = torch.where(mask, metrics["token_logprobs"], zero)
         entropy = torch.where(mask, metrics["entropy"], zero)
         old = inputs.get("old_per_token_logps")
-        old = logp if old is None else old
+        old = logp if old is None else torch.where(mask, old, zero)
         maskf = mask.float()
         rows = mask.size(0)
         if self.importance_sampling_level == "sequence":

@@ -1,7 +1,13 @@
 """verl drop-in: gspo_kernels' policy losses in verl's registry, and a fused log-prob +
 entropy forward for verl's actor.
 
-    import gspo_kernels.integrations.verl  # registers the losses, adds the fused backend
+    VERL_USE_EXTERNAL_MODULES=gspo_kernels.integrations.verl   # every process importing verl
+    actor_rollout_ref.model.external_lib=gspo_kernels.integrations.verl
+
+Importing the module registers the losses and adds the fused backend, in the process that
+imports it: verl's actors run in Ray workers, which import the modules that
+VERL_USE_EXTERNAL_MODULES names when they import verl (and external_lib when they build the
+model), so set it where the workers inherit it (the driver's environment, or Ray's runtime_env).
 
 Policy losses: `actor_rollout_ref.actor.policy_loss.loss_mode=` one of
     gk_vanilla   verl's "vanilla" (token-level PPO clip with dual clip clip_ratio_c)
@@ -32,7 +38,7 @@ import warnings
 import torch
 from verl.models.transformers import monkey_patch
 from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
-from verl.trainer.ppo.core_algos import register_policy_loss
+from verl.trainer.ppo.core_algos import get_policy_loss_fn, register_policy_loss
 
 from ..config import GSPOConfig
 from ..fused_linear import fused_linear_selective_log_softmax
@@ -104,11 +110,22 @@ def _verl_metrics(mode: str, cfg: GSPOConfig, metrics: dict, old, log_prob, adva
             "actor/pg_clipfrac_lower": lower}
 
 
+_warned: set[str] = set()
+
+
 def _make_loss(mode: str):
     def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                 rollout_is_weights=None):
         assert config is not None, f"gk_{mode} needs verl's ActorConfig"
-        cfg = _mode_config(mode, config, loss_agg_mode, response_mask.shape[-1])
+        try:
+            cfg = _mode_config(mode, config, loss_agg_mode, response_mask.shape[-1])
+        except ValueError as error:  # a setting verl takes that our options refuse (e.g. clip_ratio_low >= 1)
+            reason = f"gk_{mode}: {error}"
+            if reason not in _warned:
+                _warned.add(reason)
+                warnings.warn(f"gspo_kernels: {reason}; running verl's own {mode!r} loss for it", stacklevel=2)
+            return get_policy_loss_fn(mode)(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                            rollout_is_weights)
         mask = response_mask.bool()
         loss, metrics = policy_loss(log_prob.float(), old_log_prob.float(), advantages.float(), mask=mask,
                                     token_weights=rollout_is_weights,

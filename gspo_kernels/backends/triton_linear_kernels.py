@@ -1,0 +1,152 @@
+"""Fused-linear Triton kernels: stages 1 and 3 over `hidden @ weight.T (+ bias)` with the
+logits only ever in on-chip tiles (in the spirit of Cut Cross Entropy).
+
+Forward: one program per block of BLOCK_N rows walks the vocab in BLOCK_V tiles; each tile's
+logits are a tl.dot over the hidden size, reduced at once into the online-softmax statistics
+(the merge of triton_kernels, shared) and the target logit. Nothing `[N, V]` is written.
+
+Backward: one program per (row block, vocab tile) recomputes the tile, forms its gradient dz
+(the formula and row rule of the row kernels), and adds dz @ W into d hidden and dz.T @ H
+into d weight with float32 atomics, so results are not bit-reproducible from run to run.
+Gradient filtering: a tile in which each row's probability mass is below `filter_eps` (holding
+no row's target and no NaN row) skips both products; FILTER=False turns it off. Rows are in the loss or not
+through `row_mask`; a row whose lse is not finite (no softmax, or a target no rank holds, set
+by the caller) gets NaN; a target < 0 adds no one-hot term (vocab-parallel: the target lives
+on another rank).
+"""
+
+import triton
+import triton.language as tl
+
+from .triton_kernels import block_softmax_stats, merge_softmax_stats
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """a @ b + acc in float32. IEEE: float32 products (float32 inputs, and the interpreter,
+    whose numpy dot cannot take 16-bit operands: they are upcast first, exactly)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
+                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) float32 logits / temperature; -inf outside the vocab."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_H)
+    row_ok = rows[:, None] < n_rows
+    col_ok = cols[:, None] < vocab
+    for k0 in range(0, hidden_size, BLOCK_H):
+        kk = k0 + ks
+        k_ok = kk[None, :] < hidden_size
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :], mask=row_ok & k_ok, other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :], mask=col_ok & k_ok, other=0.0)
+        acc = _dot(h, tl.trans(w), acc, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)[None, :]
+    return tl.where(cols[None, :] < vocab, acc * inv_temperature, -float("inf"))
+
+
+@triton.jit
+def linear_token_stats_kernel(
+    h_ptr, w_ptr, b_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    target = tl.load(targets_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full((BLOCK_N,), -float("inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    a = tl.zeros((BLOCK_N,), tl.float32)
+    z_target = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(0, vocab, BLOCK_V):
+        idx = v0 + cols
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, idx, n_rows, vocab, hidden_size, stride_h, stride_w,
+                         inv_temperature, HAS_BIAS, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+        bm, bs, ba = block_softmax_stats(z, 1)
+        m, s, a = merge_softmax_stats(m, s, a, bm, bs, ba)
+        z_target += tl.sum(tl.where(idx[None, :] == target[:, None], z, 0.0), 1)
+    log_s = tl.log(s)
+    valid = (target >= 0) & (target < vocab)
+    logp = tl.where(valid, (z_target - m) - log_s, float("nan"))
+    logp = tl.where(logp > 0, 0.0, logp)  # a rounding above 0 is impossible for a log-prob; NaN stays
+    tl.store(logp_ptr + rows, logp, mask=row_ok)
+    tl.store(entropy_ptr + rows, log_s - a / s, mask=row_ok)
+    tl.store(lse_ptr + rows, m + log_s, mask=row_ok)
+
+
+@triton.jit
+def linear_grad_kernel(
+    h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
+    dh_ptr, dw_ptr, db_ptr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, FILTER: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < n_rows
+    g = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0)
+    has_upstream = g != 0.0
+    if HAS_ENTROPY_GRAD:
+        hg = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
+        entropy = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
+        has_upstream = has_upstream | (hg != 0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    target = tl.load(targets_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    make_nan = (lse != lse) | (lse == float("inf")) | (lse == -float("inf"))
+    if HAS_ROW_MASK:
+        in_loss = tl.load(row_mask_ptr + rows, mask=row_ok, other=0) != 0
+    else:
+        in_loss = row_ok
+    make_nan = make_nan & in_loss
+    compute = has_upstream & in_loss & (make_nan == 0)
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w,
+                     inv_temperature, HAS_BIAS, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+    log_p = z - tl.where(compute, lse, 0.0)[:, None]
+    p = tl.exp(log_p)
+    if HAS_ENTROPY_GRAD:
+        coef = g[:, None] + hg[:, None] * (tl.maximum(log_p, -200.0) + entropy[:, None])
+    else:
+        coef = g[:, None]
+    dz = -p * coef + tl.where(cols[None, :] == target[:, None], g[:, None], 0.0)
+    dz = tl.where(compute[:, None] & (cols[None, :] < vocab), dz * inv_temperature, 0.0)
+    dz = tl.where(make_nan[:, None] & (cols[None, :] < vocab), float("nan"), dz)
+    active = 1
+    if FILTER:
+        # Skip the tile when each row's probability mass in it is below filter_eps, no row's
+        # target is in it and no row in it is NaN: a row then loses at most eps of its softmax
+        # mass to the tile (README, "Fused kernel", for the bound on the gradient).
+        live = compute[:, None] & (cols[None, :] < vocab)
+        hits_target = tl.sum(tl.where(live & (cols[None, :] == target[:, None]), 1, 0)) > 0
+        has_nan = tl.sum(tl.where(make_nan, 1, 0)) > 0
+        active = (tl.max(tl.sum(tl.where(live, p, 0.0), 1)) >= filter_eps) | hits_target | has_nan
+    if active:
+        # 16-bit inputs: dz rounded once to their dtype for the tensor-core products (as
+        # Liger and Cut Cross Entropy do); float32 inputs keep it in float32.
+        dz_in = dz.to(h_ptr.dtype.element_ty)
+        ks = tl.arange(0, BLOCK_H)
+        for k0 in range(0, hidden_size, BLOCK_H):
+            kk = k0 + ks
+            k_ok = kk[None, :] < hidden_size
+            if NEED_DH:
+                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
+                            mask=(cols[:, None] < vocab) & k_ok, other=0.0)
+                part = _dot(dz_in, w, tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), IEEE)
+                tl.atomic_add(dh_ptr + rows[:, None].to(tl.int64) * hidden_size + kk[None, :], part,
+                              mask=(rows[:, None] < n_rows) & k_ok, sem="relaxed")
+            if NEED_DW:
+                h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :],
+                            mask=(rows[:, None] < n_rows) & k_ok, other=0.0)
+                part = _dot(tl.trans(dz_in), h, tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32), IEEE)
+                tl.atomic_add(dw_ptr + cols[:, None].to(tl.int64) * hidden_size + kk[None, :], part,
+                              mask=(cols[:, None] < vocab) & k_ok, sem="relaxed")
+        if NEED_DB:
+            tl.atomic_add(db_ptr + cols, tl.sum(dz, 0), mask=cols < vocab, sem="relaxed")

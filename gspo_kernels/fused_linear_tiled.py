@@ -1,0 +1,61 @@
+"""The fused-linear loss's Triton path: stages 1 and 3 in kernels that hold the logits only in
+on-chip tiles (backends/triton_linear_kernels.py), behind one autograd Function.
+
+Against the chunked path (fused_linear.py): no float32 chunk of logits in global memory and no
+`dz` buffer, at the price of float32 atomics in backward (results vary in the last bits from run
+to run) and a float32 `d hidden` accumulator. Gradient filtering (filter_eps > 0) skips the
+products of tiles in which each row's probability mass is below filter_eps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .backends.grad_inputs import upstream_grads
+
+
+class TiledLinearTokenStats(torch.autograd.Function):
+    """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]`; see LinearPass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_mask, how):
+        from .backends import triton_linear  # imported here: the chunked path runs without triton
+
+        shard = how.shard
+        if shard is None:
+            kernel_targets = targets
+        else:
+            local, owned = shard.local_targets(targets)
+            kernel_targets = torch.where(owned, local, torch.full_like(local, -1))  # -1: no one-hot here
+        logp, entropy, lse = triton_linear.token_stats(hidden, weight, bias, kernel_targets, how.inv_temperature)
+        if shard is not None:
+            logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
+        else:
+            # The kernels' row rule reads only lse: an out-of-range target in the loss must make it NaN.
+            valid = (targets >= 0) & (targets < weight.shape[0])
+            lse = torch.where(valid, lse, torch.full_like(lse, float("nan")))
+        ctx.save_for_backward(hidden, weight, bias, kernel_targets, lse, entropy, row_mask)
+        ctx.how = how
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy, row_mask = ctx.saved_tensors
+        how = ctx.how
+        none = (None,) * 3
+        if grad_logp is None and grad_entropy is None:
+            return (None, None, None) + none
+        from .backends import triton_linear
+
+        grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
+        need = tuple(ctx.needs_input_grad[:3])
+        g = triton_linear.grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask,
+                                how.inv_temperature, need, how.filter_eps)
+        d_hidden = g.hidden
+        if d_hidden is not None and how.shard is not None and how.reduce_hidden_grad:
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)
+        return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+                None if g.weight is None else g.weight.to(weight.dtype),
+                None if g.bias is None else g.bias.to(bias.dtype)) + none
