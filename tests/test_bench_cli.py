@@ -62,4 +62,4 @@ def test_fused_linear_bench_runs_every_contender(tmp_path, capsys):
         assert all(r["status"] == "skipped" for r in rows if r["provider"] == "cce")
     table = capsys.readouterr().out
     assert "fused linear: N=512 H=16 V=300" in table and "memory vs materialized" in table
-    assert set(LINEAR_PROVIDERS) == {"eager", "materialized", "compile", "liger", "cce", "fused"}
+    assert set(LINEAR_PROVIDERS) == {"eager", "materialized", "compile", "liger", "cce", "fused", "fused_tiles"}
