@@ -24,6 +24,12 @@ class TileConfig:
     block_h: int
     num_warps: int
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_v", "block_h"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):  # tl.dot needs powers of two >= 16
+                raise ValueError(f"{name} must be a power of two >= 16; got {size}")
+
     @staticmethod
     def default(dtype: torch.dtype = torch.bfloat16) -> "TileConfig":
         # The interpreter runs numpy per tile: small tiles keep CI fast and still give several

@@ -126,7 +126,11 @@ def linear_grad_kernel(
         # mass to the tile (README, "Fused kernel", for the bound on the gradient).
         live = compute[:, None] & (cols[None, :] < vocab)
         hits_target = tl.sum(tl.where(live & (cols[None, :] == target[:, None]), 1, 0)) > 0
-        has_nan = tl.sum(tl.where(make_nan, 1, 0)) > 0
+        # NaN rows, and rows whose upstream gradient is not finite: their NaN reaches every tile.
+        bad_upstream = (g != g) | (tl.abs(g) == float("inf"))
+        if HAS_ENTROPY_GRAD:
+            bad_upstream = bad_upstream | (hg != hg) | (tl.abs(hg) == float("inf"))
+        has_nan = tl.sum(tl.where(make_nan | (compute & bad_upstream), 1, 0)) > 0
         active = (tl.max(tl.sum(tl.where(live, p, 0.0), 1)) >= filter_eps) | hits_target | has_nan
     if active:
         # 16-bit inputs: dz rounded once to their dtype for the tensor-core products (as
@@ -148,5 +152,5 @@ def linear_grad_kernel(
                 part = _dot(tl.trans(dz_in), h, tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32), IEEE)
                 tl.atomic_add(dw_ptr + cols[:, None].to(tl.int64) * hidden_size + kk[None, :], part,
                               mask=(cols[:, None] < vocab) & k_ok, sem="relaxed")
-        if NEED_DB:
-            tl.atomic_add(db_ptr + cols, tl.sum(dz, 0), mask=cols < vocab, sem="relaxed")
+    if NEED_DB:  # cheap, so never filtered: d bias stays exact
+        tl.atomic_add(db_ptr + cols, tl.sum(dz, 0), mask=cols < vocab, sem="relaxed")
