@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (about 8 minutes on an H200, with that machine's own python3:
+# The one prepared GPU run (about 8 minutes on an H200 before the distributed and tile-kernel steps were added; now likely more than 10, so it runs in two parts), with that machine's own python3:
 # torch 2.11, triton 3.6, nvcc 13.0). Builds the extension from source, checks the cuda and
 # triton backends against the float64 reference (fp32/bf16/fp16, padded and packed, V = 1000
 # and V = 151936), runs compute-sanitizer memcheck over every CUDA kernel variant, runs the test
@@ -8,7 +8,10 @@
 # distributed code paths on NCCL in a group of one GPU. Logs and JSON go to $OUT (the device
 # tool brings them back).
 #
-#   device run:  bash benchmarks/gpu_check.sh          (timeout_s ~ 600)
+#   device run:  bash benchmarks/gpu_check.sh [all|check|bench]   (default all)
+# "all" may now pass 600 s (one device call's limit): run "check" (build, correctness,
+# sanitizer, NCCL, tests) and then "bench" (build again, a no-op on a warm machine; benchmarks)
+# as two calls, each with timeout_s ~ 540.
 #   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,9 @@ PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export MAX_JOBS="${MAX_JOBS:-16}" GSPO_CUDA_ARCHS="${GSPO_CUDA_ARCHS:-90}"
 status=0
+PART="${1:-all}"
 step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -35,6 +40,7 @@ if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
 fi
 "$PY" -c "import gspo_kernels._C as c; print('extension with_cuda =', c.with_cuda)"
 
+if want check; then
 step "check against the float64 reference"
 "$PY" -m gspo_kernels check --backends cuda,triton,torch --vocab 1000 2>&1 | tee "$OUT/check_v1000.txt" | tail -n 3 || status=1
 "$PY" -m gspo_kernels check --backends cuda,triton --vocab 151936 --batch 4 2>&1 | tee "$OUT/check_v151936.txt" | tail -n 3 || status=1
@@ -53,7 +59,9 @@ step "test suite on the GPU"
 # The GPU backends only (the cpu and torch ones ran in CI): the row rule, packed isolation,
 # precision probes and the objective grid included.
 timeout 240 "$PY" -m pytest tests -q -x -p no:cacheprovider -k "(cuda or triton) and not compile" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -n 6 || status=1
+fi
 
+if want bench; then
 step "benchmark: N = 16384, V = 151936, bf16"
 "$PY" -m gspo_kernels bench --shapes 16x1024x151936 --providers eager,eager_trl,compile,liger,triton,cuda,obj_cispo,obj_sapo,obj_gmpo,obj_clip_corrected \
     --reps 10 --budget 10 --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt" | grep -v '^\[' || status=1
@@ -61,6 +69,8 @@ step "benchmark: N = 16384, V = 151936, bf16"
 step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
 "$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,liger,cce,fused,fused_tiles --modes fwd+bwd \
     --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | tee "$OUT/gpu_bench_linear.txt" | grep -v '^\[' || status=1
+
+fi
 
 step "done: status $status"
 exit $status
