@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (about 8 minutes on an H200 before the distributed and tile-kernel steps were added; now likely more than 10, so it runs in two parts), with that machine's own python3:
-# torch 2.11, triton 3.6, nvcc 13.0). Builds the extension from source, checks the cuda and
+# The one prepared GPU run, with that machine's own python3 (torch 2.11, triton 3.6, nvcc 13.0);
+# about 8 minutes on an H200 before the distributed and tile-kernel steps, more now. Builds the extension from source, checks the cuda and
 # triton backends against the float64 reference (fp32/bf16/fp16, padded and packed, V = 1000
 # and V = 151936), runs compute-sanitizer memcheck over every CUDA kernel variant, runs the test
 # suite on the GPU, and benchmarks forward + backward at N = 16384, V = 151936, bf16 against
