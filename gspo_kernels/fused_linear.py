@@ -29,13 +29,14 @@ from .distributed.vocab_parallel import VocabShard, first_logit
 from .fused_linear_tiled import TiledLinearTokenStats
 
 try:
-    from .backends.triton_linear import DEFAULT_FILTER_EPS
     from .backends.triton_linear import available as triton_linear_available
 except ImportError:  # no triton: only the chunked path
-    DEFAULT_FILTER_EPS = 0.0
-
     def triton_linear_available(device) -> bool:
         return False
+
+# Gradient filtering (fused=True) is off unless asked for: what it drops is bounded (README,
+# "Fused kernel") but its speed-up is unmeasured (no GPU run yet). The README discusses 2**-20.
+DEFAULT_FILTER_EPS = 0.0
 from .inputs import check_logits_and_targets, check_mask, prepare_batch
 from .sequence import gspo_objective
 

@@ -332,8 +332,6 @@ def _grad_slice(case: Case, name: str, whole: torch.Tensor, view: RankView) -> t
 
 def check_case(case: Case, rank: int, world: int, groups: dict, seed: int) -> list[str]:
     vocab = VOCAB - 1 if case.even_vocab else VOCAB
-    if case.split == "tpcp" and case.even_vocab:
-        vocab = VOCAB - 1
     p = _whole_problem(case, vocab, seed, world)
     tol = _tolerance(case)
     view = _view(case, p, rank, world, groups, vocab)

@@ -17,7 +17,7 @@ name = "torch"
 
 # Log-probabilities below this are probability 0 even in float32; clamping there changes no
 # value but keeps 0 * -inf (a -inf logit) out of the products. Same constant as csrc/gspo_math.h.
-_LOG_FLOOR = -200.0
+LOG_FLOOR = -200.0
 
 
 def _scaled_rows(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -46,7 +46,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
     picked = z.gather(-1, targets.clamp(0, vocab - 1).long().unsqueeze(-1))
     # (z_y - max) - log(sum): no rounding of lse when the logits are large.
     logp = torch.where(valid, (picked - log_sum).squeeze(-1), torch.full_like(log_sum.squeeze(-1), float("nan")))
-    shifted = e.mul_(z.clamp_(min=_LOG_FLOOR)).sum(dim=-1, keepdim=True)
+    shifted = e.mul_(z.clamp_(min=LOG_FLOOR)).sum(dim=-1, keepdim=True)
     entropy = (log_sum - shifted / sum_e).squeeze(-1)
     return logp, entropy, (row_max + log_sum).squeeze(-1)
 
@@ -61,7 +61,7 @@ def _grad_rows(logits, inputs: GradInputs):
         grad.mul_(-g)
     else:
         h = inputs.grad_entropy.to(grad.dtype).unsqueeze(-1)
-        coef = log_p.clamp_(min=_LOG_FLOOR).add_(entropy.to(grad.dtype).unsqueeze(-1)).mul_(h).add_(g)
+        coef = log_p.clamp_(min=LOG_FLOOR).add_(entropy.to(grad.dtype).unsqueeze(-1)).mul_(h).add_(g)
         grad.mul_(coef).neg_()
     vocab = grad.shape[-1]
     valid = _valid(targets, vocab)

@@ -12,10 +12,6 @@ import triton
 from . import triton_linear_kernels as kernels
 from .triton_backend import INTERPRETED
 
-# Gradient filtering is off unless asked for: what it drops is bounded (README, "Fused kernel")
-# but its speed-up is unmeasured (no GPU run yet). 2**-20 is the value the README discusses.
-DEFAULT_FILTER_EPS = 0.0
-
 
 @dataclass(frozen=True)
 class TileConfig:

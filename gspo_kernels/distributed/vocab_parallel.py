@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ..backends.grad_inputs import GradInputs
+from ..backends.torch_backend import LOG_FLOOR
 from .collectives import all_reduce_max, check_group
 
-# Same constant as csrc/gspo_math.h and the torch backend: log p below this is p = 0.
-_LOG_FLOOR = -200.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class VocabShard:
         log_p = first_logit.to(dtype) * inv_t - inputs.lse
         coef = inputs.grad_logp
         if inputs.grad_entropy is not None:
-            coef = coef + inputs.grad_entropy * (log_p.clamp(min=_LOG_FLOOR) + inputs.entropy)
+            coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
         value = -torch.exp(log_p) * coef * inv_t
         column = grad.select(-1, 0)
         fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))

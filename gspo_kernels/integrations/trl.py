@@ -119,7 +119,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction and \
                 self.vllm_importance_sampling_mode not in _ROLLOUT_MODES:
             return f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}"
-        return self._gspo_unsupported_model(model) or self._gspo_unsupported_config()
+        return self._gspo_unsupported_model(model)
 
     def _gspo_unsupported_model(self, model) -> str | None:
         unwrapped = self.accelerator.unwrap_model(model)
@@ -133,12 +133,15 @@ class GRPOTrainer(trl.GRPOTrainer):
             return f"a model whose logits are transformed ({scaled})"
         return None
 
-    def _gspo_unsupported_config(self) -> str | None:
+    def _gspo_plan(self, model, inputs) -> tuple[GSPOConfig | None, str | None]:
+        """(the GSPOConfig for this call, None), or (None, why TRL's own code must run it)."""
+        reason = self._gspo_unsupported(model, inputs)
+        if reason is not None:
+            return None, reason
         try:
-            self._trl_config()
+            return self._trl_config(), None
         except ValueError as error:  # a setting TRL takes that our options refuse
-            return f"these settings ({error})"
-        return None
+            return None, f"these settings ({error})"
 
     def _gspo_fallback(self, reason: str) -> None:
         if reason not in self._gspo_warned:
@@ -229,7 +232,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return torch.quantile(gathered, 1 - self.top_entropy_quantile)
 
     def _compute_loss(self, model, inputs):
-        reason = self._gspo_unsupported(model, inputs)
+        config, reason = self._gspo_plan(model, inputs)
         if reason is not None:
             self._gspo_fallback(reason)
             self._gspo_in_fallback = True  # TRL's code throughout, its log-prob pass included
@@ -246,7 +249,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         # so that TRL's entropy bonus can be added on its own terms. The stats mask is the
         # completion's (tool tokens keep their log-probs for the metrics, as in TRL).
         logp, entropy = self._gspo_stats(model, input_ids, attention_mask, completion_ids.size(1))
-        config = self._trl_config()
         threshold = self._entropy_threshold(entropy.detach(), mask) if config.top_entropy_quantile < 1.0 else None
         rollout = inputs.get("sampling_per_token_logps") if config.rollout_correction or \
             config.off_policy_mask_threshold is not None else None
