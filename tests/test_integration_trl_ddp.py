@@ -54,6 +54,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     dist.barrier()
+    # Torn down explicitly: a gloo group still alive at interpreter exit can abort the process.
+    dist.destroy_process_group()
 
 
 def test_gradients_are_synchronised_across_ranks(tmp_path):
