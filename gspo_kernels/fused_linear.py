@@ -1,22 +1,22 @@
 """The loss from hidden states and the lm_head weight, without the `[N, V]` logits.
 
 Chunked path, every backend: rows are taken `chunk_size` at a time; a chunk's logits
-z = hidden @ weight.T (+ bias) are formed in float32 by one matmul, the backend's stage-1
-kernel reads them, and they are dropped. Backward forms each chunk's logits again, runs the
-stage-3 kernel over them in place (dz), and accumulates `d hidden = dz @ weight`,
-`d weight += dz.T @ hidden` and `d bias += sum dz` in float32, chunk after chunk (no
-atomics: the same inputs give the same bits). Stage 2 is the unchanged `sequence.py`.
+z = hidden @ weight.T (+ bias) are formed in float32 by one matmul (linear_products.py), the
+backend's stage-1 kernel reads them, and they are dropped. Backward (fused_linear_backward.py)
+forms the logits again a buffer at a time, runs the stage-3 kernel over them in place (dz), and
+takes `d hidden`, `d weight` and `d bias` from dz by matmuls: over chunks of rows, accumulating
+`d weight` in float32, or over blocks of vocab columns, accumulating `d hidden`, whichever
+accumulator is smaller (no atomics: the same inputs give the same bits). Stage 2 is the
+unchanged `sequence.py`.
 
 Nothing `[N, V]` is kept: what survives forward is the inputs and O(N) statistics. Peak memory
-is one float32 chunk of logits plus the float32 `d weight` accumulator; on a CPU, for 16-bit
-inputs, also a float32 copy of the weight while a pass runs (CPUs multiply bf16 10-80x slower
-than fp32, so both operands are upcast there). On a GPU the products take the 16-bit
-operands as they are and give float32 results (`_Operands`).
+is one float32 buffer of logits plus the smaller accumulator; on a CPU, for 16-bit inputs, also
+float32 copies of the operands while a pass runs (CPUs without native bf16 multiply it 10-80x
+slower than fp32, so both operands are upcast there).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +25,10 @@ import torch.distributed as dist
 from . import backends
 from .backends.grad_inputs import GradInputs, upstream_grads
 from .config import BACKENDS, GSPOConfig, check_temperature
-from .distributed.vocab_parallel import VocabShard, first_logit
+from .distributed.vocab_parallel import VocabShard
+from .fused_linear_backward import SavedPass, choose_sweep, rows_sweep, vocab_sweep
 from .fused_linear_tiled import TiledLinearTokenStats
+from .linear_products import Operands
 
 try:
     from .backends.triton_linear import available as triton_linear_available
@@ -49,68 +51,6 @@ def default_chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
     (32 MiB on a CPU, 256 MiB on a GPU): 256 rows at V = 32768 on a CPU."""
     budget = CHUNK_BUDGET_BYTES.get(device.type, CHUNK_BUDGET_BYTES["cpu"])
     return max(1, min(rows, budget // (4 * vocab)))
-
-
-def _as_matmul_dtype(t: torch.Tensor) -> torch.Tensor:
-    # float32 products of 16-bit inputs: exact products, float32 sums (more exact than the
-    # bf16 logits an lm_head usually writes). float64 stays float64 (the gradcheck path).
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-# Devices that multiply 16-bit operands natively (tensor cores). There the weight is never
-# upcast: products take 16-bit operands and give float32 results. A CPU multiplies bf16 10-80x
-# slower than fp32, so there both operands are upcast. (Tests add "cpu" to cover the path.)
-NATIVE_16BIT_MATMUL = {"cuda"}
-
-
-@functools.lru_cache(maxsize=None)
-def _has_fp32_out_mm(device: torch.device) -> bool:
-    """Whether torch.mm(..., out_dtype=torch.float32) runs on this device (CUDA, recent torch)."""
-    try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """16-bit a @ b with a float32 result: accumulated in fp32 and not rounded to 16 bits where
-    the device can (out_dtype), else the 16-bit result upcast (the usual lm_head precision)."""
-    if _has_fp32_out_mm(a.device):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
-
-
-class _Operands:
-    """The three products of a chunk, with the weight in the dtype the device multiplies best."""
-
-    def __init__(self, weight, bias):
-        self.dtype = weight.dtype
-        self.native = weight.device.type in NATIVE_16BIT_MATMUL and weight.dtype in (torch.bfloat16, torch.float16)
-        self.weight = weight if self.native else _as_matmul_dtype(weight)
-        self.bias = None if bias is None else (bias.float() if self.native else _as_matmul_dtype(bias))
-        self.accum_dtype = torch.float32 if self.native else self.weight.dtype
-
-    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """A chunk's logits in float32 (float64 for float64 inputs)."""
-        if self.native:
-            z = _mm_fp32(hidden_rows, self.weight.t())
-            return z if self.bias is None else z.add_(self.bias)
-        h = _as_matmul_dtype(hidden_rows)
-        return h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t())
-
-    def hidden_grad(self, dz: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return _mm_fp32(dz.to(self.dtype), self.weight)
-        return dz @ self.weight
-
-    def add_weight_grad(self, d_weight: torch.Tensor, dz: torch.Tensor, hidden_rows: torch.Tensor) -> None:
-        if d_weight.dtype == self.dtype and self.dtype != self.accum_dtype:  # 16-bit accumulator
-            d_weight.addmm_(dz.t().to(self.dtype), hidden_rows)
-        elif self.native:
-            d_weight.add_(_mm_fp32(dz.t().to(self.dtype), hidden_rows))
-        else:
-            d_weight.addmm_(dz.t(), _as_matmul_dtype(hidden_rows))
 
 
 @dataclass(frozen=True)
@@ -139,14 +79,19 @@ class FusedLinearTokenStats(torch.autograd.Function):
         owned = None
         if how.shard is not None:
             targets, owned = how.shard.local_targets(targets)
-        ops = _Operands(weight, bias)
+        ops = Operands(weight, bias)
         for start in range(0, rows, how.chunk):
             part = slice(start, min(start + how.chunk, rows))
             logits = ops.logits(hidden[part])
             logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
         if how.shard is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
-            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)
+            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
+        else:
+            # The kernels' row rule reads only lse when a buffer holds another block's target (the
+            # vocab sweep): an out-of-range target in the loss must make it NaN.
+            valid = (targets >= 0) & (targets < weight.shape[0])
+            lse = torch.where(valid, lse, torch.full_like(lse, float("nan")))
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
         ctx.how = how
         ctx.set_materialize_grads(False)
@@ -160,46 +105,22 @@ class FusedLinearTokenStats(torch.autograd.Function):
         if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
         backend = backends.get(how.backend_name)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need = tuple(ctx.needs_input_grad[:3])
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
-        ops = _Operands(weight, bias)
-        shard = how.shard
-        reduce_hidden = shard is not None and how.reduce_hidden_grad
-        d_hidden = None
-        if need_h:
+        saved = SavedPass(hidden, weight, bias, targets, owned,
+                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature))
+        reduce_hidden = how.shard is not None and how.reduce_hidden_grad
+        sweep = choose_sweep(hidden.shape[0], weight.shape[0], need[0], need[1], how.weight_grad_fp32, weight.dtype)
+        if sweep == "vocab":
+            d_hidden, d_weight, d_bias = vocab_sweep(backend, saved, how.chunk, need)
+        else:
             # A slice's partial d hidden is summed over ranks in float32, then rounded once.
-            d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype if reduce_hidden else hidden.dtype,
-                                   device=hidden.device)
-        # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own
-        # dtype instead (half the buffer for 16-bit weights, one rounding per chunk; 16-bit
-        # matmuls, which a GPU runs natively and a CPU slowly).
-        low_precision = not how.weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
-        d_weight = None
-        if need_w:
-            d_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_precision else ops.accum_dtype,
-                                   device=weight.device)
-        d_bias = torch.zeros(weight.shape[0], dtype=ops.accum_dtype, device=weight.device) if need_b else None
-        rows = hidden.shape[0]
-        for start in range(0, rows, how.chunk):
-            part = slice(start, min(start + how.chunk, rows))
-            inputs = GradInputs(targets[part], lse[part], entropy[part], grad_logp[part],
-                                None if grad_entropy is None else grad_entropy[part],
-                                None if row_mask is None else row_mask[part], how.inv_temperature)
-            logits = ops.logits(hidden[part])
-            column0 = None if shard is None else first_logit(logits)
-            dz = backend.logits_grad_(logits, inputs)  # in place over the chunk's logits
-            if shard is not None:
-                shard.fix_foreign_rows(dz, column0, inputs, owned[part])
-            if need_h:
-                d_hidden[part] = ops.hidden_grad(dz)
-            if need_w:
-                ops.add_weight_grad(d_weight, dz, hidden[part])
-            if need_b:
-                d_bias += dz.sum(0)
-        if need_h and reduce_hidden:
-            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=shard.group)
-            d_hidden = d_hidden.to(hidden.dtype)
-        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
+            d_hidden, d_weight, d_bias = rows_sweep(backend, saved, how.chunk, need, reduce_hidden,
+                                                    how.weight_grad_fp32)
+        if d_hidden is not None and reduce_hidden:
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)
+        return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+                None if d_weight is None else d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype)) + none
 
 

@@ -15,7 +15,7 @@ from . import backends
 from .backends.grad_inputs import GradInputs, upstream_grads
 from .backends.layout import writable_in_place
 from .config import BACKENDS, check_temperature
-from .distributed.vocab_parallel import VocabShard, first_logit
+from .distributed.vocab_parallel import VocabShard, slice_logits_grad
 from .inputs import check_logits_and_targets, check_mask
 
 
@@ -55,16 +55,11 @@ class TokenStatsFunction(torch.autograd.Function):
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
         backend = backends.get(ctx.backend_name)
-        shard = ctx.shard
-        column0 = None if shard is None else first_logit(logits)
-        if ctx.inplace and writable_in_place(logits):
-            grad = backend.logits_grad_(logits, inputs)
+        grad = slice_logits_grad(backend, logits, inputs, None if ctx.shard is None else owned,
+                                 ctx.inplace and writable_in_place(logits))
+        if grad is logits:
             # The saved logits now hold the gradient: a second backward must fail loudly.
             torch.autograd.graph.increment_version(logits)
-        else:
-            grad = backend.logits_grad(logits, inputs)
-        if shard is not None:
-            shard.fix_foreign_rows(grad, column0, inputs, owned)
         return (grad,) + no_grads[1:]
 
 

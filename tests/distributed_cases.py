@@ -6,6 +6,7 @@ the failures it saw per case, and the parent turns them into one pytest case eac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import traceback
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import gspo_kernels as gk
+from gspo_kernels import fused_linear
 from gspo_kernels.distributed.problem_split import context_part, data_part, even_parts
 
 LEVELS = ("sequence", "sequence_token", "token")
@@ -37,6 +39,7 @@ class Case:
     entry: str = "loss"  # or selective (selective_log_softmax with entropy)
     edges: bool = False  # rows that stress the vocab-parallel merge (selective, padded only)
     fused: bool = False  # fused linear through the Triton tile kernels (fused=True)
+    sweep: str = "auto"  # fused linear's backward sweep (rows or vocab), forced; auto: choose_sweep's
     options: tuple = field(default_factory=tuple)  # extra GSPOConfig options, (key, value) pairs
 
     @property
@@ -50,6 +53,8 @@ class Case:
             parts.append(self.entry)
         if self.edges:
             parts.append("edges")
+        if self.sweep != "auto":
+            parts.append(f"sweep_{self.sweep}")
         if self.fused:
             parts.append("fused")
         parts += [f"{k}={v}" for k, v in self.options]
@@ -90,6 +95,12 @@ def cases(world: int) -> list[Case]:
              Case("tp", "padded", entry="selective"), Case("tp", "packed", entry="selective", linear=True),
              Case("tp", "padded", linear=True, options=(("reduce_hidden_grad", False),)),
              Case("tp", "padded", options=(("inplace", True),)), Case("tp", "packed", linear=True, dtype="bfloat16")]
+    # The vocab sweep's blocks nested in a rank's vocab slice (tp alone picks rows at these sizes),
+    # and the rows sweep where a cp rank's few rows would pick vocab.
+    grid += [Case("tp", "packed", linear=True, sweep="vocab"),
+             Case("tp", "padded", linear=True, entry="selective", sweep="vocab"),
+             Case("tp", "padded", linear=True, options=(("reduce_hidden_grad", False),), sweep="vocab"),
+             Case("cp", "packed", linear=True, sweep="rows")]
     grid += [Case("tp", "padded", backend=b, dtype="float64" if b == "torch" else "float32", entry="selective",
                   edges=True) for b in ("cpu",) + extra_backends]
     if "triton" in extra_backends:  # the tile kernels with vocab slices (and their one-hot rule)
@@ -294,8 +305,25 @@ def _run(case: Case, p: dict, view: RankView | None, normalizer=None):
                                                       **linear_kw, **kw, **groups, **opts)
         else:
             loss, metrics = gk.gspo_loss(leaves["logits"], targets, old, adv, **kw, **groups, **opts)
-    loss.backward()
+    with _forced_sweep(case.sweep):
+        loss.backward()
     return loss.detach(), metrics, {k: v.grad for k, v in leaves.items()}
+
+
+@contextlib.contextmanager
+def _forced_sweep(sweep: str):
+    """fused linear's backward sweep forced for one backward (and checked to have been chosen)."""
+    if sweep == "auto":
+        yield
+        return
+    calls = []
+    original = fused_linear.choose_sweep
+    fused_linear.choose_sweep = lambda *args: calls.append(args) or sweep
+    try:
+        yield
+    finally:
+        fused_linear.choose_sweep = original
+    assert calls, "the forced sweep was never asked for"
 
 
 # --- checks ------------------------------------------------------------------------------------

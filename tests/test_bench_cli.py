@@ -62,4 +62,17 @@ def test_fused_linear_bench_runs_every_contender(tmp_path, capsys):
         assert all(r["status"] == "skipped" for r in rows if r["provider"] == "cce")
     table = capsys.readouterr().out
     assert "fused linear: N=512 H=16 V=300" in table and "memory vs materialized" in table
-    assert set(LINEAR_PROVIDERS) == {"eager", "materialized", "compile", "liger", "cce", "fused", "fused_tiles"}
+    assert set(LINEAR_PROVIDERS) == {"eager", "eager_native", "materialized", "compile", "liger", "cce", "fused",
+                                     "fused_tiles"}
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_eager_native_runs_only_where_bf16_is_native(native, monkeypatch):
+    """eager with its lm_head matmul in bf16 runs on a CPU only where bf16 is native (else it is
+    10-80x slower); on a GPU it would be eager itself."""
+    from gspo_kernels.bench import linear
+
+    monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: native)
+    provider = linear.LINEAR_PROVIDERS["eager_native"]
+    assert (provider.unavailable("cpu") is None) == native
+    assert "same as eager" in provider.unavailable("cuda")

@@ -10,7 +10,9 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.config import LEVELS, LOSS_AGGS
+from gspo_kernels import fused_linear
 from gspo_kernels.fused_linear import default_chunk_rows
+from gspo_kernels.fused_linear_backward import choose_sweep
 from gspo_kernels.problems import ProblemSpec, make_problem
 from gspo_kernels.verify import linear_operands, relative_error, run_linear_case
 
@@ -20,6 +22,22 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HIDDEN = 24
 # Options rotated through the grid: temperature, KL, entropy bonus.
 OPTIONS = [{}, {"temperature": 0.7}, {"beta": 0.05}, {"entropy_coef": 0.02, "temperature": 1.3}]
+
+
+@pytest.fixture(params=["rows", "vocab"])
+def sweep(request, monkeypatch):
+    """The backward's sweep forced (choose_sweep picks vocab at most of these sizes, N < V), and
+    checked to have been asked for, so that the test ran the sweep it names."""
+    calls = []
+
+    def forced(*args):
+        if not torch.compiler.is_compiling():  # a traced call may not mutate a list; eager ones record
+            calls.append(args)
+        return request.param
+
+    monkeypatch.setattr(fused_linear, "choose_sweep", forced)
+    yield request.param
+    assert calls, "no backward asked for a sweep"
 
 
 def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", packed=False, chunk_size=5, seed=0,
@@ -49,14 +67,14 @@ def test_matches_materialized_reference(backend, level, loss_agg, dtype, packed,
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 28, 1000, None])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_chunk_sizes_and_no_bias(backend, chunk_size, seed):
+def test_chunk_sizes_and_no_bias(backend, chunk_size, seed, sweep):
     """Chunks that do not divide N (28 rows), one chunk for all, the default rule; no bias."""
     _compare(backend, torch.float32, chunk_size=chunk_size, seed=seed % 1000, with_bias=chunk_size != 3,
              beta=0.05, entropy_coef=0.01)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_strided_hidden(backend, seed):
+def test_strided_hidden(backend, seed, sweep):
     """hidden[:, :-1], the usual shift of a causal LM's hidden states: gradients land in place."""
     device = device_for(backend)
     problem = make_problem(ProblemSpec(batch=3, seq_len=5, vocab=23, device=device, seed=seed % 1000))
@@ -77,13 +95,13 @@ def test_strided_hidden(backend, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_weight_grad_in_the_weights_dtype(backend, dtype, seed):
+def test_weight_grad_in_the_weights_dtype(backend, dtype, seed, sweep):
     """weight_grad_fp32=False: d weight accumulated in 16 bits, one rounding per chunk."""
     _compare(backend, dtype, chunk_size=7, seed=seed % 1000, weight_grad_fp32=False, beta=0.05)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_one_row(backend, seed):
+def test_one_row(backend, seed, sweep):
     device = device_for(backend)
     hidden = torch.randn(1, 8, device=device, requires_grad=True)
     weight = torch.randn(11, 8, device=device, requires_grad=True)
@@ -114,7 +132,7 @@ def test_selective_log_softmax_matches_the_unfused_one(backend, seed):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(sweep):
     problem = make_problem(ProblemSpec(batch=3, seq_len=4, vocab=6, dtype=torch.float64, with_ref=True,
                                        empty_sequence=True))
     args, kwargs = problem.loss_args()
@@ -132,7 +150,7 @@ def test_gradcheck_float64():
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_compiled_matches_eager(backend, seed):
+def test_compiled_matches_eager(backend, seed, sweep):
     if backend == "cpu" and not gk.backends.native_available():
         pytest.skip("extension gspo_kernels._C not built")
     problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=30, seed=seed))
@@ -152,6 +170,88 @@ def test_compiled_matches_eager(backend, seed):
         results.append((loss.detach(), h.grad, w.grad))
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_sweep_matches_materialized_reference(backend, level, dtype, packed, seed, monkeypatch):
+    """The grid above runs the vocab sweep (N = 28 < V = 37); this one the rows sweep, every
+    level x dtype x layout, the options rotating."""
+    monkeypatch.setattr(fused_linear, "choose_sweep", lambda *args: "rows")
+    index = LEVELS.index(level) + DTYPES.index(dtype) + packed
+    agg = LOSS_AGGS[index % len(LOSS_AGGS)]
+    _compare(backend, dtype, level, agg, packed, chunk_size=5, seed=seed % 1000, **OPTIONS[index % len(OPTIONS)])
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden", "bias"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_some_operands_frozen(backend, frozen, seed, sweep):
+    """Only some operands want a gradient (a frozen lm_head, frozen hidden states): the others
+    still match, and the frozen one gets none."""
+    device = device_for(backend)
+    problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=29, device=device, with_ref=True, seed=seed % 1000))
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    gen = torch.Generator().manual_seed(seed % 1000)
+    operands = {"hidden": torch.randn(3, 6, 16, generator=gen), "weight": torch.randn(29, 16, generator=gen) * 0.5,
+                "bias": torch.randn(29, generator=gen) * 0.2}
+    leaves = {k: v.clone().to(device).requires_grad_(k != frozen) for k, v in operands.items()}
+    loss, _ = gk.fused_linear_gspo_loss(leaves["hidden"], leaves["weight"], *args[1:], bias=leaves["bias"],
+                                        chunk_size=4, backend=backend, beta=0.05, entropy_coef=0.02, **kwargs)
+    loss.backward()
+    refs = {k: v.double().requires_grad_(k != frozen) for k, v in operands.items()}
+    ref_loss, _ = reference.gspo_loss(refs["hidden"] @ refs["weight"].t() + refs["bias"],
+                                      *[a.cpu() for a in args[1:]], beta=0.05, entropy_coef=0.02,
+                                      **{k: v.cpu() for k, v in kwargs.items()})
+    ref_loss.backward()
+    assert leaves[frozen].grad is None
+    for name, leaf in leaves.items():
+        if name != frozen:
+            assert relative_error(leaf.grad, refs[name].grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cpu_native_bf16_products(backend, sweep, monkeypatch, seed):
+    """On a CPU with native bf16 the gradient product written once (d weight in the vocab sweep,
+    d hidden in the rows sweep) takes bf16 operands, dz rounded as on a GPU; forced on and off
+    here whatever this CPU has. Both match the float64 reference at bf16 precision, and differ
+    from each other (the path ran)."""
+    from gspo_kernels import linear_products
+
+    if backend == "cpu" and not gk.backends.native_available():
+        pytest.skip("extension gspo_kernels._C not built")
+    problem = make_problem(ProblemSpec(batch=4, seq_len=16, vocab=96, with_ref=True, seed=seed % 1000))
+    operands = linear_operands(problem, 32, seed % 1000)
+    operands = [t.bfloat16() for t in operands]
+    grads = {}
+    for native in (True, False):
+        monkeypatch.setattr(linear_products, "cpu_has_native_bf16", lambda: native)
+        result = run_linear_case(problem, backend, operands, chunk_size=16, beta=0.05, entropy_coef=0.02)
+        assert result.passed, (native, result.failures())
+        leaves = [t.detach().clone().requires_grad_() for t in operands]
+        args, kwargs = problem.loss_args()
+        kwargs.pop("temperature")
+        loss, _ = gk.fused_linear_gspo_loss(leaves[0], leaves[1], *args[1:], bias=leaves[2], chunk_size=16,
+                                            backend=backend, **kwargs)
+        loss.backward()
+        grads[native] = {"hidden": leaves[0].grad, "weight": leaves[1].grad}
+    once = "weight" if sweep == "vocab" else "hidden"
+    assert not torch.equal(grads[True][once], grads[False][once])
+
+
+def test_sweep_rule():
+    """Vocab blocks when their float32 d hidden accumulator (N x H) is smaller than the rows
+    sweep's d weight one (V x H, float32 or the weight's dtype); none needed for one gradient."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert choose_sweep(16384, 151936, True, True, True, bf16) == "vocab"
+    assert choose_sweep(200000, 151936, True, True, True, bf16) == "rows"
+    assert choose_sweep(100000, 151936, True, True, False, bf16) == "rows"  # 4 N > 2 V
+    assert choose_sweep(50000, 151936, True, True, False, bf16) == "vocab"
+    assert choose_sweep(50000, 151936, True, True, False, fp32) == "vocab"
+    assert choose_sweep(16, 100, True, False, True, fp32) == "rows"  # frozen weight: no accumulator
+    assert choose_sweep(1000, 100, False, True, True, fp32) == "vocab"  # frozen hidden: none either
 
 
 def test_module_form_takes_the_lm_head():
@@ -201,15 +301,15 @@ def test_bad_operands():
 
 @pytest.mark.parametrize("weight_grad_fp32", [True, False])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_native_16bit_products_path(backend, weight_grad_fp32, monkeypatch, seed):
+def test_native_16bit_products_path(backend, weight_grad_fp32, monkeypatch, seed, sweep):
     """The GPU path (16-bit operands, float32 results) run on a CPU: without out_dtype there the
     logits are the 16-bit products upcast, as an lm_head writes them; the reference gets the same
     logits, and the gradients carry one 16-bit rounding of dz."""
-    from gspo_kernels import fused_linear
+    from gspo_kernels import linear_products
 
     if backend == "cpu" and not gk.backends.native_available():
         pytest.skip("extension gspo_kernels._C not built")
-    monkeypatch.setattr(fused_linear, "NATIVE_16BIT_MATMUL", {"cpu"})
+    monkeypatch.setattr(linear_products, "NATIVE_16BIT_MATMUL", {"cpu"})
     problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=29, with_ref=True, seed=seed % 1000))
     args, kwargs = problem.loss_args()
     kwargs.pop("temperature")

@@ -3,6 +3,8 @@ the lm_head weight `(V, H)`, sequence-level GSPO, every row in the response.
 
 Contenders:
     eager         lm_head matmul, log_softmax(float) + gather, the GSPO formula
+    eager_native  the same with the lm_head matmul in the inputs' dtype, as a trainer writes it
+                  (CPU with native bf16 only: AVX512-BF16 or AMX; a GPU's eager is this already)
     materialized  lm_head matmul, then gspo_loss (this package's kernel) on the logits
     compile       torch.compile of eager
     liger         Liger-Kernel's LigerFusedLinearGRPOLoss (sequence level), when installed
@@ -10,7 +12,8 @@ Contenders:
                   GSPO formula (GPU, when installed)
     fused         gk.fused_linear_gspo_loss (chunked; default chunk rule)
 
-On a CPU every contender multiplies in float32 (bf16 matmuls run 10-80x slower there): the
+On a CPU every other contender multiplies in float32 (bf16 matmuls run 10-80x slower on CPUs
+without native bf16, and round the logits to bf16 on those with it): the
 matmul-first contenders upcast inside their step (the copies count as their memory) and Liger,
 which multiplies in its inputs' dtype, gets float32 hidden states and weight as its inputs.
 On a GPU they multiply in the inputs' dtype, as a trainer does.
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fused_linear import fused_linear_gspo_loss
+from ..linear_products import cpu_has_native_bf16
 from ..loss import gspo_loss
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
 from .providers import Provider, Step, _always, gspo_from_logprobs, requires
@@ -90,10 +94,22 @@ def _matmul(h, w):
     return h @ w.t()
 
 
-def _eager(h, w, p):
-    logits = _matmul(h, w)
+def _eager(h, w, p, logits=None):
+    logits = _matmul(h, w) if logits is None else logits
     logp = torch.log_softmax(logits.float(), -1).gather(-1, p.target_ids.unsqueeze(-1)).squeeze(-1)
     return gspo_from_logprobs(logp, p.old_logprobs, p.advantages, p.mask)
+
+
+def _eager_native(h, w, p):
+    return _eager(h, w, p, logits=h @ w.t())
+
+
+def _native_bf16_cpu(device: str) -> str | None:
+    if device != "cpu":
+        return "the same as eager on a GPU (its matmul is in the inputs' dtype there)"
+    if not cpu_has_native_bf16():
+        return "this CPU has no native bf16 (AVX512-BF16 or AMX): its bf16 matmuls run 10-80x slower"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +169,7 @@ LINEAR_PROVIDERS = {
     p.name: p
     for p in [
         Provider("eager", _step(_eager), _always),
+        Provider("eager_native", _step(_eager_native), _native_bf16_cpu),
         Provider("materialized", _step(_materialized), _always, ours=True),
         Provider("compile", _step(lambda h, w, p: _compiled_eager()(h, w, p)), _always),
         Provider("liger", _step(_liger, cpu_inputs_fp32=True), requires("liger_kernel.chunked_loss", "liger-kernel")),

@@ -95,25 +95,43 @@ class VocabShard:
         lse = torch.where(no_softmax | (owners != 1), nan, shift + log_mass)
         return logp, entropy, lse
 
-    def fix_foreign_rows(self, grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs,
-                         owned: torch.Tensor) -> None:
-        """Rewrites column 0 of `grad` (the slice's gradient, `[..., V_local]`) for the rows in
-        the loss whose target is on another rank: there the kernel added the one-hot term
-        g / T at column 0, where the true gradient has only the softmax term.
-        first_logit: `[N]` the logits at column 0, read before an in-place kernel ran."""
-        foreign = ~owned
-        if inputs.row_mask is not None:
-            foreign = foreign & inputs.row_mask
-        inv_t = inputs.inv_temperature
-        dtype = inputs.lse.dtype
-        log_p = first_logit.to(dtype) * inv_t - inputs.lse
-        coef = inputs.grad_logp
-        if inputs.grad_entropy is not None:
-            coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
-        value = -torch.exp(log_p) * coef * inv_t
-        column = grad.select(-1, 0)
-        fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))
-        column.copy_(fixed.reshape(column.shape))
+
+def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:
+    """Rewrites column 0 of `grad` (a vocab slice's gradient, `[..., V_local]`) for the rows in
+    the loss whose target is outside the slice (on another rank, or in another vocab block of
+    the fused-linear backward): there the kernel added the one-hot term g / T at column 0,
+    where the true gradient has only the softmax term.
+    first_logit: `[N]` the logits at column 0, read before an in-place kernel ran."""
+    foreign = ~owned
+    if inputs.row_mask is not None:
+        foreign = foreign & inputs.row_mask
+    inv_t = inputs.inv_temperature
+    dtype = inputs.lse.dtype
+    log_p = first_logit.to(dtype) * inv_t - inputs.lse
+    coef = inputs.grad_logp
+    if inputs.grad_entropy is not None:
+        coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
+    value = -torch.exp(log_p) * coef * inv_t
+    column = grad.select(-1, 0)
+    fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))
+    column.copy_(fixed.reshape(column.shape))
+
+
+def slice_logits_grad(backend, logits: torch.Tensor, inputs: GradInputs, owned: torch.Tensor | None,
+                      in_place: bool) -> torch.Tensor:
+    """Stage 3 over a vocab slice's logits: the backend's kernel, then column 0 rewritten for the
+    rows whose target lies outside the slice (owned: the rows whose target is in it; None: all).
+    in_place: the kernel may write over `logits`. Not when a fix-up follows under torch.compile:
+    inductor (torch 2.14) deferred the read of column 0 past the in-place kernel there and gave
+    wrong gradients, so the kernel writes a new buffer instead."""
+    column0 = None if owned is None else first_logit(logits)
+    if in_place and (owned is None or not torch.compiler.is_compiling()):
+        grad = backend.logits_grad_(logits, inputs)
+    else:
+        grad = backend.logits_grad(logits, inputs)
+    if owned is not None:
+        fix_foreign_rows(grad, column0, inputs, owned)
+    return grad
 
 
 def first_logit(logits: torch.Tensor) -> torch.Tensor:

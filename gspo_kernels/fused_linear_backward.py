@@ -1,0 +1,134 @@
+"""Backward of the chunked fused-linear path: the logits formed again, a buffer at a time, the
+stage-3 kernel run over them in place (dz), and the gradient products taken from dz.
+
+Two sweeps over the same `[N, V]` product, each writing one gradient whole and accumulating the
+other in float32 (deterministic either way: no atomics):
+
+- rows: chunks of rows over the full vocab. A chunk's `d hidden` rows are one product
+  (`dz @ weight`); `d weight` is summed over the chunks in a `[V, H]` accumulator.
+- vocab: blocks of vocab columns over all N rows. A block's `d weight` rows (and `d bias`
+  entries) are one product (`dz.T @ hidden`); `d hidden` is summed over the blocks in an
+  `[N, H]` accumulator. A row's target lies in one block; the others see it as a foreign row,
+  as a tensor-parallel rank does (distributed/vocab_parallel.py), and their column 0 is
+  rewritten from the formula.
+
+`choose_sweep` takes the one with the smaller accumulator (vocab when N < V: at N = 16384,
+H = 4096, V = 151936 that is 256 MiB against 2.3 GiB), and the one that needs none when only one
+of the two gradients is asked for. Both hold as many logits at a time: a chunk of `chunk` rows x
+V, or a block of N rows x (chunk x V / N) columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends.grad_inputs import GradInputs
+from .distributed.vocab_parallel import VocabShard, slice_logits_grad
+from .linear_products import Operands
+
+
+def choose_sweep(rows: int, vocab: int, need_hidden: bool, need_weight: bool, weight_grad_fp32: bool,
+                 weight_dtype: torch.dtype) -> str:
+    """'rows' or 'vocab': the sweep whose accumulator is smaller (none when only one gradient
+    is needed). The rows sweep's `d weight` accumulator is V x H in float32, or in the weight's
+    own dtype with weight_grad_fp32=False; the vocab sweep's `d hidden` one is N x H in float32."""
+    if not need_weight:
+        return "rows"
+    if not need_hidden:
+        return "vocab"
+    weight_bytes = 4 if weight_grad_fp32 else torch.empty((), dtype=weight_dtype).element_size()
+    return "vocab" if rows * 4 < vocab * weight_bytes else "rows"
+
+
+@dataclass
+class SavedPass:
+    """What forward saved and backward was handed, for either sweep."""
+
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V, H] (this rank's slice under tensor parallelism)
+    bias: torch.Tensor | None
+    targets: torch.Tensor  # [N], local to the weight's vocab (0 where another rank owns it)
+    owned: torch.Tensor | None  # [N] bool under tensor parallelism: the target is in this slice
+    inputs: GradInputs  # every row's stage-3 inputs, targets as above
+
+    def rows_part(self, part: slice) -> GradInputs:
+        i = self.inputs
+        return GradInputs(i.targets[part], i.lse[part], i.entropy[part], i.grad_logp[part],
+                          None if i.grad_entropy is None else i.grad_entropy[part],
+                          None if i.row_mask is None else i.row_mask[part], i.inv_temperature)
+
+
+def _block_grad(backend, ops: Operands, hidden_rows, inputs: GradInputs, owned) -> torch.Tensor:
+    """dz of one buffer, over its freshly formed logits. owned: None when every row's target is
+    in the buffer's columns, else the rows whose target is (the others' column 0 is rewritten)."""
+    return slice_logits_grad(backend, ops.logits(hidden_rows), inputs, owned, in_place=True)
+
+
+def rows_sweep(backend, saved: SavedPass, chunk: int, need, hidden_grad_fp32: bool, weight_grad_fp32: bool):
+    """(d hidden, d weight, d bias) chunk of rows by chunk; need: which of the three to form.
+    d hidden is in the accumulation dtype with hidden_grad_fp32 (for a sum over ranks), else in
+    hidden's own."""
+    need_h, need_w, need_b = need
+    hidden, weight = saved.hidden, saved.weight
+    ops = Operands(weight, saved.bias)
+    d_hidden = None
+    if need_h:
+        d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype if hidden_grad_fp32 else hidden.dtype,
+                               device=hidden.device)
+    # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own
+    # dtype instead (half the buffer for 16-bit weights, one rounding per chunk).
+    low_precision = not weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
+    d_weight = None
+    if need_w:
+        d_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_precision else ops.accum_dtype,
+                               device=weight.device)
+    d_bias = torch.zeros(weight.shape[0], dtype=ops.accum_dtype, device=weight.device) if need_b else None
+    rows = hidden.shape[0]
+    for start in range(0, rows, chunk):
+        part = slice(start, min(start + chunk, rows))
+        owned = None if saved.owned is None else saved.owned[part]
+        dz = _block_grad(backend, ops, hidden[part], saved.rows_part(part), owned)
+        if need_h:
+            d_hidden[part] = ops.hidden_grad(dz, once=not hidden_grad_fp32)
+        if need_w:
+            ops.add_weight_grad(d_weight, dz, hidden[part])
+        if need_b:
+            d_bias += dz.sum(0)
+    return d_hidden, d_weight, d_bias
+
+
+def vocab_sweep(backend, saved: SavedPass, chunk: int, need):
+    """(d hidden in float32, d weight, d bias) block of vocab columns by block, every row at once."""
+    need_h, need_w, need_b = need
+    hidden, weight, bias = saved.hidden, saved.weight, saved.bias
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    width = vocab if rows == 0 else max(1, min(vocab, chunk * vocab // rows))
+    d_hidden = d_weight = d_bias = None
+    if need_w:
+        d_weight = torch.empty_like(weight)
+    if need_b:
+        d_bias = torch.empty_like(bias)
+    inputs = saved.inputs
+    rows_mm = None
+    for start in range(0, vocab, width):
+        cols = slice(start, min(start + width, vocab))
+        ops = Operands(weight[cols], None if bias is None else bias[cols])
+        if rows_mm is None:
+            rows_mm = ops.rows(hidden)  # upcast once (CPU), not once per block
+            if need_h:
+                d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
+        block = VocabShard(None, start, cols.stop - start)
+        local, in_block = block.local_targets(saved.targets)
+        owned = in_block if saved.owned is None else in_block & saved.owned
+        block_inputs = GradInputs(local, inputs.lse, inputs.entropy, inputs.grad_logp, inputs.grad_entropy,
+                                  inputs.row_mask, inputs.inv_temperature)
+        dz = _block_grad(backend, ops, rows_mm, block_inputs, owned)
+        if need_w:
+            d_weight[cols] = ops.weight_grad(dz, hidden, rows_mm)
+        if need_b:
+            d_bias[cols] = dz.sum(0)
+        if need_h:
+            ops.add_hidden_grad(d_hidden, dz)
+    return d_hidden, d_weight, d_bias

@@ -1,0 +1,124 @@
+"""The three matmuls of the chunked fused-linear path, in the dtype each device multiplies best.
+
+A chunk's logits `hidden @ weight.T (+ bias)` come out in float32 (float64 for float64 inputs),
+more exact than the 16-bit logits an lm_head usually writes. On a GPU the products take the
+16-bit operands as they are and give float32 results (`out_dtype`). A CPU multiplies bf16 10-80x
+slower than fp32 where it lacks native bf16 instructions, and where it has them (AVX512-BF16,
+AMX) torch gives the product only rounded to bf16; so there both operands are upcast, except in
+the one gradient product a CPU with native bf16 can take as a GPU does (`Operands.weight_grad`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Devices that multiply 16-bit operands natively (tensor cores). There the weight is never
+# upcast: products take 16-bit operands and give float32 results. (Tests add "cpu" to cover
+# the path.)
+NATIVE_16BIT_MATMUL = {"cuda"}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16; read from Linux's
+    /proc/cpuinfo, False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def as_matmul_dtype(t: torch.Tensor) -> torch.Tensor:
+    # float32 products of 16-bit inputs: exact products, float32 sums. float64 stays float64
+    # (the gradcheck path).
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp32_out_mm(device: torch.device) -> bool:
+    """Whether torch.mm(..., out_dtype=torch.float32) runs on this device (CUDA, recent torch)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """16-bit a @ b with a float32 result: accumulated in fp32 and not rounded to 16 bits where
+    the device can (out_dtype), else the 16-bit result upcast (the usual lm_head precision)."""
+    if _has_fp32_out_mm(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+class Operands:
+    """The products of one weight (or a block of its vocab rows) and its bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.dtype = weight.dtype
+        self.native = weight.device.type in NATIVE_16BIT_MATMUL and weight.dtype in (torch.bfloat16, torch.float16)
+        self.weight16 = weight
+        self.weight = weight if self.native else as_matmul_dtype(weight)
+        self.bias = None if bias is None else (bias.float() if self.native else as_matmul_dtype(bias))
+        self.accum_dtype = torch.float32 if self.native else self.weight.dtype
+        # A product written once (not summed into an accumulator) may return the 16-bit result
+        # of a 16-bit product: the same single rounding a GPU applies to its float32 result.
+        # Where a CPU multiplies bf16 natively that is ~2x faster than float32 (2-core EPYC
+        # with AVX512-BF16: 250 against 450 ms for d weight at N = 2048, V = 32768, H = 512).
+        self.native_once = self.native or (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                                           and cpu_has_native_bf16())
+
+    def rows(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """hidden rows as this device multiplies them (upcast once, for a caller that reuses them)."""
+        return hidden_rows if self.native else as_matmul_dtype(hidden_rows)
+
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """A chunk's logits in float32 (float64 for float64 inputs)."""
+        if self.native:
+            z = _mm_fp32(hidden_rows, self.weight.t())
+            return z if self.bias is None else z.add_(self.bias)
+        h = as_matmul_dtype(hidden_rows)
+        return h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t())
+
+    def _operand(self, dz: torch.Tensor) -> torch.Tensor:
+        # Natively, dz is rounded to the weight's 16-bit dtype for the products, as the unfused
+        # path's 16-bit logits gradient is; the products still sum in float32.
+        return dz.to(self.dtype) if self.native else dz
+
+    def hidden_grad(self, dz: torch.Tensor, once: bool = False) -> torch.Tensor:
+        """dz @ weight: `[R, H]` in the accumulation dtype, or (once: for a caller that writes it
+        once in the weight's dtype) possibly in the weight's dtype."""
+        if self.native:
+            return _mm_fp32(self._operand(dz), self.weight)
+        if once and self.native_once:  # CPU with native bf16: dz rounded to bf16 as on a GPU
+            return dz.to(self.dtype) @ self.weight16
+        return dz @ self.weight
+
+    def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor) -> None:
+        """d_hidden (accumulation dtype) += dz @ weight."""
+        if self.native:
+            d_hidden.add_(self.hidden_grad(dz))
+        else:
+            d_hidden.addmm_(dz, self.weight)
+
+    def weight_grad(self, dz: torch.Tensor, hidden_rows: torch.Tensor, rows_mm: torch.Tensor | None = None):
+        """dz.T @ hidden, summed over every row given, for a caller that writes it once: `[Vb, H]`
+        in float32 or the weight's dtype. rows_mm: hidden_rows as `rows` gave them, if at hand."""
+        if self.native:
+            return _mm_fp32(self._operand(dz).t(), hidden_rows)
+        if self.native_once:  # CPU with native bf16: dz rounded to bf16 as on a GPU
+            return dz.to(self.dtype).t() @ hidden_rows
+        return dz.t() @ (as_matmul_dtype(hidden_rows) if rows_mm is None else rows_mm)
+
+    def add_weight_grad(self, d_weight: torch.Tensor, dz: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+        if d_weight.dtype == self.dtype and self.dtype != self.accum_dtype:  # 16-bit accumulator
+            d_weight.addmm_(dz.t().to(self.dtype), hidden_rows)
+        elif self.native:
+            d_weight.add_(_mm_fp32(self._operand(dz).t(), hidden_rows))
+        else:
+            d_weight.addmm_(dz.t(), as_matmul_dtype(hidden_rows))
