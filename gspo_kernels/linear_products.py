@@ -11,6 +11,7 @@ the one gradient product a CPU with native bf16 can take as a GPU does (`Operand
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -21,15 +22,20 @@ NATIVE_16BIT_MATMUL = {"cuda"}
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16; read from Linux's
-    /proc/cpuinfo, False elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
+def _cpu_multiplies_bf16() -> bool:
+    try:  # torch's own reading of the CPU (cpuinfo), as its oneDNN dispatch sees it
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) through torch's oneDNN,
+    which must be built and enabled. GSPO_CPU_BF16_PRODUCTS=0 in the environment says no, for
+    bits that do not depend on the CPU (every product then multiplies in float32)."""
+    if os.environ.get("GSPO_CPU_BF16_PRODUCTS", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and _cpu_multiplies_bf16()
 
 
 def as_matmul_dtype(t: torch.Tensor) -> torch.Tensor:

@@ -241,6 +241,16 @@ def test_cpu_native_bf16_products(backend, sweep, monkeypatch, seed):
     assert not torch.equal(grads[True][once], grads[False][once])
 
 
+def test_cpu_bf16_products_can_be_turned_off(monkeypatch):
+    from gspo_kernels import linear_products
+
+    monkeypatch.setenv("GSPO_CPU_BF16_PRODUCTS", "0")
+    assert not linear_products.cpu_has_native_bf16()
+    monkeypatch.delenv("GSPO_CPU_BF16_PRODUCTS")
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert not linear_products.cpu_has_native_bf16()
+
+
 def test_sweep_rule():
     """Vocab blocks when their float32 d hidden accumulator (N x H) is smaller than the rows
     sweep's d weight one (V x H, float32 or the weight's dtype); none needed for one gradient."""

@@ -123,7 +123,8 @@ def slice_logits_grad(backend, logits: torch.Tensor, inputs: GradInputs, owned: 
     rows whose target lies outside the slice (owned: the rows whose target is in it; None: all).
     in_place: the kernel may write over `logits`. Not when a fix-up follows under torch.compile:
     inductor (torch 2.14) deferred the read of column 0 past the in-place kernel there and gave
-    wrong gradients, so the kernel writes a new buffer instead."""
+    wrong gradients, so the kernel writes a new buffer instead (one more buffer of the slice's
+    logits; gspo_loss's inplace=True with tp_group then leaves the saved logits intact)."""
     column0 = None if owned is None else first_logit(logits)
     if in_place and (owned is None or not torch.compiler.is_compiling()):
         grad = backend.logits_grad_(logits, inputs)
