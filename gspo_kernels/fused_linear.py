@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from .backends.grad_inputs import GradInputs, upstream_grads
+from .backends.grad_inputs import GradInputs, nan_lse_for_bad_targets, upstream_grads
 from .config import BACKENDS, GSPOConfig, check_temperature
 from .distributed.vocab_parallel import VocabShard
 from .fused_linear_backward import SavedPass, choose_sweep, rows_sweep, vocab_sweep
@@ -88,10 +88,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
             # One merge for all rows after the loop: two collectives per call, not per chunk.
             logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
-            # The kernels' row rule reads only lse when a buffer holds another block's target (the
-            # vocab sweep): an out-of-range target in the loss must make it NaN.
-            valid = (targets >= 0) & (targets < weight.shape[0])
-            lse = torch.where(valid, lse, torch.full_like(lse, float("nan")))
+            lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # for the vocab sweep's blocks
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
         ctx.how = how
         ctx.set_materialize_grads(False)
@@ -107,7 +104,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
         backend = backends.get(how.backend_name)
         need = tuple(ctx.needs_input_grad[:3])
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
-        saved = SavedPass(hidden, weight, bias, targets, owned,
+        saved = SavedPass(hidden, weight, bias, owned,
                           GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature))
         reduce_hidden = how.shard is not None and how.reduce_hidden_grad
         sweep = choose_sweep(hidden.shape[0], weight.shape[0], need[0], need[1], how.weight_grad_fp32, weight.dtype)

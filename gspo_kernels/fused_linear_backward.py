@@ -20,7 +20,7 @@ V, or a block of N rows x (chunk x V / N) columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,7 +38,7 @@ def choose_sweep(rows: int, vocab: int, need_hidden: bool, need_weight: bool, we
         return "rows"
     if not need_hidden:
         return "vocab"
-    weight_bytes = 4 if weight_grad_fp32 else torch.empty((), dtype=weight_dtype).element_size()
+    weight_bytes = 4 if weight_grad_fp32 else weight_dtype.itemsize
     return "vocab" if rows * 4 < vocab * weight_bytes else "rows"
 
 
@@ -49,15 +49,9 @@ class SavedPass:
     hidden: torch.Tensor  # [N, H]
     weight: torch.Tensor  # [V, H] (this rank's slice under tensor parallelism)
     bias: torch.Tensor | None
-    targets: torch.Tensor  # [N], local to the weight's vocab (0 where another rank owns it)
     owned: torch.Tensor | None  # [N] bool under tensor parallelism: the target is in this slice
-    inputs: GradInputs  # every row's stage-3 inputs, targets as above
-
-    def rows_part(self, part: slice) -> GradInputs:
-        i = self.inputs
-        return GradInputs(i.targets[part], i.lse[part], i.entropy[part], i.grad_logp[part],
-                          None if i.grad_entropy is None else i.grad_entropy[part],
-                          None if i.row_mask is None else i.row_mask[part], i.inv_temperature)
+    # every row's stage-3 inputs; targets local to the weight's vocab (0 where another rank owns it)
+    inputs: GradInputs
 
 
 def _block_grad(backend, ops: Operands, hidden_rows, inputs: GradInputs, owned) -> torch.Tensor:
@@ -89,7 +83,7 @@ def rows_sweep(backend, saved: SavedPass, chunk: int, need, hidden_grad_fp32: bo
     for start in range(0, rows, chunk):
         part = slice(start, min(start + chunk, rows))
         owned = None if saved.owned is None else saved.owned[part]
-        dz = _block_grad(backend, ops, hidden[part], saved.rows_part(part), owned)
+        dz = _block_grad(backend, ops, hidden[part], saved.inputs.rows(part), owned)
         if need_h:
             d_hidden[part] = ops.hidden_grad(dz, once=not hidden_grad_fp32)
         if need_w:
@@ -110,7 +104,6 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need):
         d_weight = torch.empty_like(weight)
     if need_b:
         d_bias = torch.empty_like(bias)
-    inputs = saved.inputs
     rows_mm = None
     for start in range(0, vocab, width):
         cols = slice(start, min(start + width, vocab))
@@ -120,11 +113,9 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need):
             if need_h:
                 d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
         block = VocabShard(None, start, cols.stop - start)
-        local, in_block = block.local_targets(saved.targets)
+        local, in_block = block.local_targets(saved.inputs.targets)
         owned = in_block if saved.owned is None else in_block & saved.owned
-        block_inputs = GradInputs(local, inputs.lse, inputs.entropy, inputs.grad_logp, inputs.grad_entropy,
-                                  inputs.row_mask, inputs.inv_temperature)
-        dz = _block_grad(backend, ops, rows_mm, block_inputs, owned)
+        dz = _block_grad(backend, ops, rows_mm, replace(saved.inputs, targets=local), owned)
         if need_w:
             d_weight[cols] = ops.weight_grad(dz, hidden, rows_mm)
         if need_b:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends.grad_inputs import upstream_grads
+from .backends.grad_inputs import nan_lse_for_bad_targets, upstream_grads
 
 
 class TiledLinearTokenStats(torch.autograd.Function):
@@ -32,9 +32,7 @@ class TiledLinearTokenStats(torch.autograd.Function):
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
-            # The kernels' row rule reads only lse: an out-of-range target in the loss must make it NaN.
-            valid = (targets >= 0) & (targets < weight.shape[0])
-            lse = torch.where(valid, lse, torch.full_like(lse, float("nan")))
+            lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # the kernels' row rule reads only lse
         ctx.save_for_backward(hidden, weight, bias, kernel_targets, lse, entropy, row_mask)
         ctx.how = how
         ctx.set_materialize_grads(False)

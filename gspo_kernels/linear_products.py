@@ -125,6 +125,6 @@ class Operands:
         if d_weight.dtype == self.dtype and self.dtype != self.accum_dtype:  # 16-bit accumulator
             d_weight.addmm_(dz.t().to(self.dtype), hidden_rows)
         elif self.native:
-            d_weight.add_(_mm_fp32(self._operand(dz).t(), hidden_rows))
+            d_weight.add_(self.weight_grad(dz, hidden_rows))
         else:
             d_weight.addmm_(dz.t(), as_matmul_dtype(hidden_rows))

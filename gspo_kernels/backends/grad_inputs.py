@@ -25,6 +25,12 @@ class GradInputs:
     row_mask: torch.Tensor | None  # bool; None: every row is in the loss
     inv_temperature: float
 
+    def rows(self, part: slice) -> "GradInputs":
+        """The same inputs for a slice of the rows (a chunk)."""
+        return GradInputs(self.targets[part], self.lse[part], self.entropy[part], self.grad_logp[part],
+                          None if self.grad_entropy is None else self.grad_entropy[part],
+                          None if self.row_mask is None else self.row_mask[part], self.inv_temperature)
+
     def op_args(self) -> tuple:
         """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
         return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
@@ -39,3 +45,11 @@ def upstream_grads(grad_logp, grad_entropy, lse):
     if grad_entropy is not None:
         grad_entropy = grad_entropy.to(lse.dtype).contiguous()
     return grad_logp, grad_entropy
+
+
+def nan_lse_for_bad_targets(lse: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """lse NaN for the rows whose target is outside [0, vocab): the row rule then makes such a row
+    (when in the loss) NaN even where the kernel is handed another column as its target (a vocab
+    block of the fused-linear backward, the tile kernels' -1)."""
+    valid = (targets >= 0) & (targets < vocab)
+    return torch.where(valid, lse, torch.full_like(lse, float("nan")))
