@@ -1,4 +1,4 @@
-"""Builds gspo_kernels and its extension gspo_kernels._C.
+"""Builds gspo_kernels and its extension gspo_kernels.backends._C.
 
 The CPU kernels are always built. The CUDA kernels are built when nvcc and a CUDA build of
 torch are present. Switches (environment variables):
@@ -86,7 +86,7 @@ def _extensions():
     nvcc_found = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
     with_cuda = not _truthy("GSPO_SKIP_CUDA_BUILD") and torch.version.cuda is not None and nvcc_found
     kwargs = dict(
-        name="gspo_kernels._C",
+        name="gspo_kernels.backends._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": cxx},

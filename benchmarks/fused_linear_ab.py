@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from gspo_kernels import fused_linear, linear_products
+from gspo_kernels.linear import chunked, products
 from gspo_kernels.bench.linear import LINEAR_PROVIDERS, LinearShape, make_linear_problem
-from gspo_kernels.fused_linear_backward import choose_sweep
+from gspo_kernels.linear.sweeps import choose_sweep
 
 SHAPE = LinearShape.parse("2048x512x32768")
 
@@ -28,14 +28,14 @@ SHAPE = LinearShape.parse("2048x512x32768")
 def variant(sweep, native):
     """Sets the backward's sweep (None: choose_sweep) and whether bf16 counts as native."""
     def apply():
-        fused_linear.choose_sweep = choose_sweep if sweep is None else (lambda *args: sweep)
-        linear_products.cpu_has_native_bf16 = lambda: native
+        chunked.choose_sweep = choose_sweep if sweep is None else (lambda *args: sweep)
+        products.cpu_has_native_bf16 = lambda: native
     return apply
 
 
 def main(rounds: int) -> None:
     problem = make_linear_problem(SHAPE, torch.bfloat16, "cpu")
-    native = linear_products.cpu_has_native_bf16()
+    native = products.cpu_has_native_bf16()
     variants = {
         "materialized": ("materialized", variant(None, native)),
         "rows_fp32": ("fused", variant("rows", False)),

@@ -38,7 +38,7 @@ step "build (sm_${GSPO_CUDA_ARCHS})"
 if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
     tail -n 40 "$OUT/build.log"; exit 1
 fi
-"$PY" -c "import gspo_kernels._C as c; print('extension with_cuda =', c.with_cuda)"
+"$PY" -c "import gspo_kernels.backends._C as c; print('extension with_cuda =', c.with_cuda)"
 
 if want check; then
 step "check against the float64 reference"

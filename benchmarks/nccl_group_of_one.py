@@ -13,8 +13,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import linear_operands, run_group_of_one
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import linear_operands, run_group_of_one
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int) -> di
     import torch
     import trl
 
-    from gspo_kernels.integrations.tiny import tiny_grpo_trainer, tiny_llama
+    from gspo_kernels.testing.tiny import tiny_grpo_trainer, tiny_llama
     from gspo_kernels.integrations.trl import GRPOTrainer
 
     cls = trl.GRPOTrainer if kind == "trl" else GRPOTrainer

@@ -44,7 +44,7 @@ def main(argv=None) -> list[float]:
     import datasets
     import trl
 
-    from gspo_kernels.integrations.tiny import tiny_llama, tiny_tokenizer
+    from gspo_kernels.testing.tiny import tiny_llama, tiny_tokenizer
     from gspo_kernels.integrations.trl import GRPOTrainer
 
     tokenizer = tiny_tokenizer(WORDS)

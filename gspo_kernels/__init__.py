@@ -1,12 +1,19 @@
 """Fused GSPO policy loss: Triton and C++/CUDA kernels over the logits, checked against a
-plain PyTorch reference."""
+plain PyTorch reference.
 
-from . import distributed, reference
-from .config import GSPOConfig
-from .fused_linear import FusedLinearGSPOLoss, fused_linear_gspo_loss, fused_linear_selective_log_softmax
+The house, top down: loss.py, policy_loss.py and linear/ are the entry points; config.py their
+options; stats/ (stages 1 and 3 on logits) and stage2/ (the sequence math) do the work, on
+backends/ (the kernels); distributed/ holds the collectives. testing/ (the float64 reference,
+problems, verification, tiny models), bench/ and cli/ sit on top.
+"""
+
+from . import distributed
+from .config import GSPOConfig, LinearConfig
+from .linear import FusedLinearGSPOLoss, fused_linear_gspo_loss, fused_linear_selective_log_softmax
 from .loss import GSPOLoss, gspo_loss
 from .policy_loss import policy_loss
-from .token_stats import selective_log_softmax
+from .stats.token_stats import selective_log_softmax
+from .testing import reference
 
 __version__ = "0.1.0"
 
@@ -14,6 +21,7 @@ __all__ = [
     "FusedLinearGSPOLoss",
     "GSPOConfig",
     "GSPOLoss",
+    "LinearConfig",
     "distributed",
     "fused_linear_gspo_loss",
     "fused_linear_selective_log_softmax",

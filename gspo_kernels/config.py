@@ -1,9 +1,14 @@
-"""The loss options: one frozen dataclass, validated once when it is built."""
+"""The options of every entry point: frozen dataclasses, each validated once when it is built.
+
+GSPOConfig holds the loss options (stage 2, and the temperature and backend of stages 1 and 3);
+LinearConfig how the fused-linear path runs. `resolve_config` is the one place that turns an
+entry point's "config=... or **options" into a validated object.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 LEVELS = ("sequence", "sequence_token", "token")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
@@ -21,6 +26,9 @@ OBJECTIVE_LEVELS = {
 }
 KL_ESTIMATORS = ("k1", "k2", "k3")
 BACKENDS = ("auto", "triton", "torch", "cpu", "cuda")
+# Gradient filtering (LinearConfig.fused) is off unless asked for: what it drops is bounded
+# (docs/fused_linear.md, "Gradient filtering") but its speed-up is unmeasured (no GPU run yet).
+DEFAULT_FILTER_EPS = 0.0
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -51,9 +59,19 @@ def check_temperature(value) -> float:
     return value
 
 
+def check_backend(value) -> str:
+    _choice("backend", value, BACKENDS)
+    return value
+
+
+def _bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class GSPOConfig:
-    """Options of the GSPO loss. See the README's semantics table for what each one does.
+    """Options of the GSPO loss. docs/semantics.md says what each one does.
 
     Floats stay Python floats: the kernels take them as runtime arguments, so a new value
     never triggers a recompile.
@@ -70,7 +88,7 @@ class GSPOConfig:
     entropy_coef: float = 0.0
     backend: str = "auto"
     inplace: bool = False
-    # The policy-loss family (README, "Objectives and corrections"): all stage 2.
+    # The policy-loss family (docs/semantics.md, "Objectives and corrections"): all stage 2.
     objective: str = "clip"
     delta: float | None = None  # two-sided clip (TRL): cap on the unclipped ratio
     clip_ratio_c: float | None = None  # dual clip (verl): loss <= -A * c for A < 0
@@ -90,7 +108,7 @@ class GSPOConfig:
         _choice("level", self.level, LEVELS)
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("backend", self.backend, BACKENDS)
+        check_backend(self.backend)
         for name in ("eps_low", "eps_high", "beta", "entropy_coef"):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
@@ -104,8 +122,7 @@ class GSPOConfig:
             isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= 0
         ):
             raise ValueError(f"max_len must be a positive int or None; got {self.max_len!r}")
-        if not isinstance(self.inplace, bool):
-            raise TypeError(f"inplace must be a bool; got {type(self.inplace).__name__}")
+        _bool("inplace", self.inplace)
         self._check_family()
 
     def _check_family(self) -> None:
@@ -155,3 +172,56 @@ class GSPOConfig:
         if low is not None and high is not None and not low < high:
             raise ValueError(f"log_ratio_clamp needs low < high; got {clamp!r}")
         object.__setattr__(self, "log_ratio_clamp", (low, high))
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """How fused_linear_gspo_loss and fused_linear_selective_log_softmax run (docs/fused_linear.md).
+
+    chunk_size: rows of float32 logits formed at a time (None: a memory budget decides).
+    weight_grad_fp32: accumulate `d weight` in float32 (False: in the weight's dtype).
+    reduce_hidden_grad: with tp_group, sum `d hidden` over the group (False for a framework whose
+    own layer all-reduces the input gradient, as Megatron's does).
+    fused: the Triton tile kernels, logits only in on-chip tiles.
+    grad_filter_eps: with fused, skip the backward products of tiles whose rows each hold less
+    probability mass than this (0: never).
+    """
+
+    chunk_size: int | None = None
+    weight_grad_fp32: bool = True
+    reduce_hidden_grad: bool = True
+    fused: bool = False
+    grad_filter_eps: float = DEFAULT_FILTER_EPS
+
+    def __post_init__(self) -> None:
+        size = self.chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+            raise ValueError(f"chunk_size must be a positive int or None; got {size!r}")
+        for name in ("weight_grad_fp32", "reduce_hidden_grad", "fused"):
+            _bool(name, getattr(self, name))
+        eps = self.grad_filter_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ValueError(f"grad_filter_eps must be a probability in [0, 1) (0: no filtering); got {eps!r}")
+        object.__setattr__(self, "grad_filter_eps", float(eps))
+
+
+LINEAR_OPTIONS = frozenset(f.name for f in fields(LinearConfig))
+
+
+def resolve_config(config, options: dict, kind: type = GSPOConfig):
+    """`config` when given (then no keyword options may come with it), else kind(**options)."""
+    if config is None:
+        return kind(**options)
+    if not isinstance(config, kind):
+        raise TypeError(f"config must be a {kind.__name__}; got {type(config).__name__}")
+    if options:
+        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
+    return config
+
+
+def split_linear_options(linear, options: dict) -> tuple[LinearConfig, dict]:
+    """(the LinearConfig, the other options) from an entry point's keywords: the fields of
+    LinearConfig go to it (or must be absent when `linear` is given), the rest are left."""
+    mine = {name: options[name] for name in options if name in LINEAR_OPTIONS}
+    rest = {name: value for name, value in options.items() if name not in LINEAR_OPTIONS}
+    return resolve_config(linear, mine, LinearConfig), rest

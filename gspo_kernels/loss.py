@@ -6,17 +6,17 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .config import GSPOConfig
+from .config import GSPOConfig, resolve_config
 from .distributed.vocab_parallel import VocabShard
-from .inputs import prepare_batch
-from .sequence import gspo_objective
-from .token_stats import token_stats
+from .stage2.inputs import TokenLayout, prepare_batch
+from .stage2.sequence import gspo_objective
+from .stats.token_stats import token_stats
 
 
 def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *, tp_group=None,
                            vocab_start=None, **per_call):
-    batch = prepare_batch(config, logits, target_ids, old_logprobs, advantages, **per_call)
-    backend_name = backends.resolve(config.backend, logits)
+    batch = prepare_batch(config, TokenLayout.of_logits(logits), target_ids, old_logprobs, advantages, **per_call)
+    backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace, batch.mask,
                                 shard)
@@ -49,7 +49,7 @@ def gspo_loss(
 
     The keyword arguments above are this call's tensors. Every other keyword is a loss option
     (level, eps_low, eps_high, temperature, loss_agg, objective, beta, ...: the fields of
-    GSPOConfig, defined in the README's semantics tables); alternatively pass a ready
+    GSPOConfig, defined in docs/semantics.md); alternatively pass a ready
     `config=GSPOConfig(...)`, validated once.
 
     Returns the scalar loss (float32; float64 for float64 logits) and a dict of detached
@@ -59,17 +59,13 @@ def gspo_loss(
     backward pass may overwrite the logits with their gradient: do not read the logits after
     calling backward.
 
-    Distributed (README, Distributed): tp_group for vocab-parallel logits (this rank's slice
+    Distributed (docs/distributed.md): tp_group for vocab-parallel logits (this rank's slice
     of V starting at vocab_start, default rank * V_local; global target ids), cp_group for
     context parallelism (this rank's part of every sequence). Every rank then returns the
     loss and metrics of the whole problem, and its gradient is its slice of the whole one.
     """
-    if config is None:
-        config = GSPOConfig(**options)
-    elif options:
-        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
     return _gspo_loss_with_config(
-        config, logits, target_ids, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
+        resolve_config(config, options), logits, target_ids, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
         ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
         entropy_threshold=entropy_threshold, tp_group=tp_group, vocab_start=vocab_start, cp_group=cp_group,
     )

@@ -9,19 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import GSPOConfig
-from .inputs import LOGPROB_DTYPES, prepare_batch
-from .sequence import gspo_objective
-
-
-def _token_stand_in(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-storage logits `(..., 1)` and targets shaped like the log-probs, for the shared
-    input checks (which speak of logits and targets)."""
-    shape = tuple(logprobs.shape) + (1,)
-    logits = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32, device=logprobs.device)
-    targets = torch.empty_strided(tuple(logprobs.shape), (0,) * logprobs.dim(), dtype=torch.int64,
-                                  device=logprobs.device)
-    return logits, targets
+from .config import GSPOConfig, resolve_config
+from .stage2.inputs import LOGPROB_DTYPES, TokenLayout, prepare_batch
+from .stage2.sequence import gspo_objective
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, *,
@@ -35,10 +25,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advan
     and `backend` do not apply (the log-probs are given). Returns (loss, metrics) as gspo_loss,
     without the entropy metrics when no entropy is given.
     """
-    if config is None:
-        config = GSPOConfig(**options)
-    elif options:
-        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
+    config = resolve_config(config, options)
     if not isinstance(logprobs, torch.Tensor):
         raise TypeError(f"logprobs must be a torch.Tensor; got {type(logprobs).__name__}")
     if logprobs.dtype not in LOGPROB_DTYPES or logprobs.dim() not in (1, 2):
@@ -49,11 +36,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advan
         raise ValueError("entropy_coef and top_entropy_quantile need the per-token entropy: pass entropy=")
     if entropy is not None and (not isinstance(entropy, torch.Tensor) or entropy.shape != logprobs.shape):
         raise ValueError("entropy must be a tensor shaped like logprobs")
-    logits, targets = _token_stand_in(logprobs)
-    batch = prepare_batch(config, logits, targets, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
+    layout = TokenLayout(logprobs.shape, logprobs.device)
+    batch = prepare_batch(config, layout, None, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
                           ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
                           entropy_threshold=entropy_threshold, cp_group=cp_group, token_weights=token_weights)
-    flat_entropy = torch.zeros_like(batch.targets, dtype=logprobs.dtype) if entropy is None else entropy.reshape(-1)
+    flat_entropy = torch.zeros_like(logprobs).reshape(-1) if entropy is None else entropy.reshape(-1)
     loss, metrics = gspo_objective(config, batch, logprobs.reshape(-1), flat_entropy)
     if entropy is None:
         del metrics["entropy"], metrics["entropy_mean"]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import gspo_kernels as gk
-from gspo_kernels import fused_linear
+from gspo_kernels.linear import chunked
 from gspo_kernels.distributed.problem_split import context_part, data_part, even_parts
 
 LEVELS = ("sequence", "sequence_token", "token")
@@ -317,12 +317,12 @@ def _forced_sweep(sweep: str):
         yield
         return
     calls = []
-    original = fused_linear.choose_sweep
-    fused_linear.choose_sweep = lambda *args: calls.append(args) or sweep
+    original = chunked.choose_sweep
+    chunked.choose_sweep = lambda *args: calls.append(args) or sweep
     try:
         yield
     finally:
-        fused_linear.choose_sweep = original
+        chunked.choose_sweep = original
     assert calls, "the forced sweep was never asked for"
 
 

@@ -5,7 +5,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends
-from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_float64_logits_only_on_the_torch_path(problem, backend):
         _call(problem, logits=problem.logits.double(), backend=backend)
 
 
-@pytest.mark.skipif(not backends.native_available(), reason="extension gspo_kernels._C not built")
+@pytest.mark.skipif(not backends.native_available(), reason="extension gspo_kernels.backends._C not built")
 def test_native_backend_on_the_wrong_device(problem):
     with pytest.raises(ValueError, match="needs logits on a cuda device"):
         _call(problem, backend="cuda")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 from conftest import device_for
 
@@ -23,7 +23,7 @@ def test_compiled_loss_matches_eager(backend, packed, family, seed):
     if backend == "triton" and gk.backends.triton_backend is None:
         pytest.skip("triton not installed")
     if backend == "cpu" and not gk.backends.native_available():
-        pytest.skip("extension gspo_kernels._C not built")
+        pytest.skip("extension gspo_kernels.backends._C not built")
     problem = make_problem(ProblemSpec(seed=seed, device=device_for(backend), with_ref=True, with_rollout=family))
     if packed:
         problem = problem.to_packed()

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import gspo_kernels as gk
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import linear_operands, run_group_of_one
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import linear_operands, run_group_of_one
 
 from conftest import BACKENDS, device_for
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels import reference
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import relative_error
+from gspo_kernels.testing import reference
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import relative_error
 
 from conftest import BACKENDS, device_for
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import relative_error, run_case
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import relative_error, run_case
 
 from conftest import BACKENDS, device_for
 

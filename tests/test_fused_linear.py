@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels import reference
+from gspo_kernels.testing import reference
 from gspo_kernels.config import LEVELS, LOSS_AGGS
-from gspo_kernels import fused_linear
-from gspo_kernels.fused_linear import default_chunk_rows
-from gspo_kernels.fused_linear_backward import choose_sweep
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import linear_operands, relative_error, run_linear_case
+from gspo_kernels.linear import chunked
+from gspo_kernels.linear.plan import default_chunk_rows
+from gspo_kernels.linear.sweeps import choose_sweep
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import linear_operands, relative_error, run_linear_case
 
 from conftest import BACKENDS, device_for
 
@@ -35,7 +35,7 @@ def sweep(request, monkeypatch):
             calls.append(args)
         return request.param
 
-    monkeypatch.setattr(fused_linear, "choose_sweep", forced)
+    monkeypatch.setattr(chunked, "choose_sweep", forced)
     yield request.param
     assert calls, "no backward asked for a sweep"
 
@@ -152,7 +152,7 @@ def test_gradcheck_float64(sweep):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_compiled_matches_eager(backend, seed, sweep):
     if backend == "cpu" and not gk.backends.native_available():
-        pytest.skip("extension gspo_kernels._C not built")
+        pytest.skip("extension gspo_kernels.backends._C not built")
     problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=30, seed=seed))
     args, kwargs = problem.loss_args()
     weight = torch.randn(30, 12)
@@ -179,7 +179,7 @@ def test_compiled_matches_eager(backend, seed, sweep):
 def test_rows_sweep_matches_materialized_reference(backend, level, dtype, packed, seed, monkeypatch):
     """The grid above runs the vocab sweep (N = 28 < V = 37); this one the rows sweep, every
     level x dtype x layout, the options rotating."""
-    monkeypatch.setattr(fused_linear, "choose_sweep", lambda *args: "rows")
+    monkeypatch.setattr(chunked, "choose_sweep", lambda *args: "rows")
     index = LEVELS.index(level) + DTYPES.index(dtype) + packed
     agg = LOSS_AGGS[index % len(LOSS_AGGS)]
     _compare(backend, dtype, level, agg, packed, chunk_size=5, seed=seed % 1000, **OPTIONS[index % len(OPTIONS)])
@@ -218,10 +218,10 @@ def test_cpu_native_bf16_products(backend, sweep, monkeypatch, seed):
     d hidden in the rows sweep) takes bf16 operands, dz rounded as on a GPU; forced on and off
     here whatever this CPU has. Both match the float64 reference at bf16 precision, and differ
     from each other (the path ran)."""
-    from gspo_kernels import linear_products
+    from gspo_kernels.linear import products as linear_products
 
     if backend == "cpu" and not gk.backends.native_available():
-        pytest.skip("extension gspo_kernels._C not built")
+        pytest.skip("extension gspo_kernels.backends._C not built")
     problem = make_problem(ProblemSpec(batch=4, seq_len=16, vocab=96, with_ref=True, seed=seed % 1000))
     operands = linear_operands(problem, 32, seed % 1000)
     operands = [t.bfloat16() for t in operands]
@@ -242,7 +242,7 @@ def test_cpu_native_bf16_products(backend, sweep, monkeypatch, seed):
 
 
 def test_cpu_bf16_products_can_be_turned_off(monkeypatch):
-    from gspo_kernels import linear_products
+    from gspo_kernels.linear import products as linear_products
 
     monkeypatch.setenv("GSPO_CPU_BF16_PRODUCTS", "0")
     assert not linear_products.cpu_has_native_bf16()
@@ -315,10 +315,10 @@ def test_native_16bit_products_path(backend, weight_grad_fp32, monkeypatch, seed
     """The GPU path (16-bit operands, float32 results) run on a CPU: without out_dtype there the
     logits are the 16-bit products upcast, as an lm_head writes them; the reference gets the same
     logits, and the gradients carry one 16-bit rounding of dz."""
-    from gspo_kernels import linear_products
+    from gspo_kernels.linear import products as linear_products
 
     if backend == "cpu" and not gk.backends.native_available():
-        pytest.skip("extension gspo_kernels._C not built")
+        pytest.skip("extension gspo_kernels.backends._C not built")
     monkeypatch.setattr(linear_products, "NATIVE_16BIT_MATMUL", {"cpu"})
     problem = make_problem(ProblemSpec(batch=3, seq_len=6, vocab=29, with_ref=True, seed=seed % 1000))
     args, kwargs = problem.loss_args()

@@ -7,10 +7,10 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels.backends import triton_backend
-from gspo_kernels.backends.triton_linear import TileConfig
+from gspo_kernels.backends.triton.tile_ops import TileConfig
 from gspo_kernels.config import LEVELS, LOSS_AGGS
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import linear_operands, relative_error, run_linear_case
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import linear_operands, relative_error, run_linear_case
 
 from conftest import device_for
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 
 def test_token_stats_gradient_formula(seed):

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
 
-from gspo_kernels.integrations.tiny import PAD, tiny_grpo_trainer, tiny_llama  # noqa: E402
+from gspo_kernels.testing.tiny import PAD, tiny_grpo_trainer, tiny_llama  # noqa: E402
 
 ROWS, PROMPT, COMPLETION = 6, 4, 5
 

@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.dirname(__file__))
     import test_integration_trl as T
-    from gspo_kernels.integrations.tiny import tiny_grpo_trainer, tiny_llama
+    from gspo_kernels.testing.tiny import tiny_grpo_trainer, tiny_llama
     from gspo_kernels.integrations.trl import GRPOTrainer
 
     base = tiny_llama()

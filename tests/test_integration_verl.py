@@ -17,7 +17,7 @@ verl_config = pytest.importorskip("verl.workers.config")
 transformers = pytest.importorskip("transformers")
 
 import gspo_kernels.integrations.verl as gk_verl  # noqa: E402
-from gspo_kernels.integrations.tiny import tiny_llama  # noqa: E402
+from gspo_kernels.testing.tiny import tiny_llama  # noqa: E402
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gspo_kernels as gk
-from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 from conftest import BACKENDS, device_for
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gspo_kernels.config import LEVELS, LOSS_AGGS
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import run_case
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import run_case
 
 from conftest import BACKENDS, device_for
 
@@ -25,7 +25,7 @@ def test_matches_reference(backend, level, loss_agg, dtype, seed, small_blocks):
 @pytest.mark.parametrize("level", LEVELS)
 def test_problems_clip_on_both_sides(level, seed):
     """The grid above is only meaningful if its problems clip low and high."""
-    from gspo_kernels import reference
+    from gspo_kernels.testing import reference
 
     problem = make_problem(ProblemSpec(seed=seed, token_advantages=(level == "token")))
     args, kwargs = problem.loss_args()

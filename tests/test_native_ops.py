@@ -11,7 +11,7 @@ import torch
 
 from gspo_kernels import backends
 
-pytestmark = pytest.mark.skipif(not backends.native_available(), reason="extension gspo_kernels._C not built")
+pytestmark = pytest.mark.skipif(not backends.native_available(), reason="extension gspo_kernels.backends._C not built")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and backends.native_backend.with_cuda() else [])
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 from conftest import BACKENDS, device_for
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels import reference
+from gspo_kernels.testing import reference
 from gspo_kernels.config import LOSS_AGGS, OBJECTIVE_LEVELS, ROLLOUT_CORRECTIONS
-from gspo_kernels.problems import ProblemSpec, make_problem
-from gspo_kernels.verify import run_case
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.verify import run_case
 
 from conftest import BACKENDS, device_for
 
@@ -206,7 +206,7 @@ def test_bad_family_options():
 
 @pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.73, 1.0])
 def test_sync_free_quantile_matches_torch_quantile(q):
-    from gspo_kernels.corrections import quantile_of_masked
+    from gspo_kernels.stage2.corrections import quantile_of_masked
 
     values = torch.randn(37, dtype=torch.float64)
     mask = torch.rand(37) < 0.6

@@ -7,7 +7,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels.config import LEVELS, LOSS_AGGS
-from gspo_kernels.problems import ProblemSpec, make_problem
+from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 OPTIONS = [{}, {"beta": 0.1}, {"entropy_coef": 0.02}, {"top_entropy_quantile": 0.5}, {"objective": "sapo"}]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gspo_kernels import reference
+from gspo_kernels.testing import reference
 
 
 def _two_token_sequence():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels.verify import STATS_LIMIT, token_stats_errors
+from gspo_kernels.testing.verify import STATS_LIMIT, token_stats_errors
 
 from conftest import BACKENDS, device_for
 

@@ -13,7 +13,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from gspo_kernels.backends import triton_kernels as K  # noqa: E402
+from gspo_kernels.backends.triton import row_kernels as K  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -83,8 +83,8 @@ def spill_bytes(ptx: str) -> tuple[int, int]:
 def compile_linear_kernels() -> int:
     """The fused-linear kernels at their GPU tile sizes: they must build for sm_90 with no
     register spills. Returns the number of failures; prints one line per kernel."""
-    from gspo_kernels.backends import triton_linear_kernels as L
-    from gspo_kernels.backends.triton_linear import TileConfig
+    from gspo_kernels.backends.triton import tile_kernels as L
+    from gspo_kernels.backends.triton.tile_ops import TileConfig
 
     failures = 0
     for dtype in ("bf16", "fp16", "fp32"):

@@ -9,7 +9,9 @@ Every backend module exposes the same three functions over logits of shape `[B, 
                                  storage (only for logits that layout.writable_in_place accepts)
 
 `targets` is a contiguous `[N]` int64 tensor. A target outside [0, V) gives logp = NaN for
-that row. GradInputs (grad_inputs.py) states the row rule of the gradient.
+that row. GradInputs (contract.py) states the row rule of the gradient. The Triton tile
+kernels of the fused-linear path (triton/tile_ops.py) take hidden states and the lm_head
+weight instead of logits; `tiles_available` says where they run.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 from . import native_backend, torch_backend
 
 try:
-    from . import triton_backend
+    from .triton import row_ops as triton_backend
+    from .triton import tile_ops as triton_tiles
 except ImportError:  # triton is optional where it has no wheels (macOS, Windows)
-    triton_backend = None
+    triton_backend = triton_tiles = None
 
 # Imported eagerly so that torch.compile traces a plain dict lookup. The Triton kernels are
 # therefore defined when gspo_kernels is imported: set TRITON_INTERPRET=1 before that to run
@@ -38,24 +41,30 @@ def native_available() -> bool:
     return native_backend.load_error() is None
 
 
-def resolve(name: str, logits: torch.Tensor) -> str:
-    """Turns the user's backend choice into a concrete backend, or says why it cannot run.
+def tiles_available(device: torch.device) -> bool:
+    """Whether the Triton tile kernels run on this device (CUDA, or the CPU interpreted)."""
+    return triton_tiles is not None and triton_tiles.available(device)
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Turns the user's backend choice into a concrete backend for logits of this device and
+    dtype, or says why it cannot run.
 
     'auto' picks Triton for CUDA tensors, the fused C++ kernel for CPU tensors when the
     extension is built, and the plain PyTorch path otherwise.
     """
-    on_cuda = logits.device.type == "cuda"
+    on_cuda = device.type == "cuda"
     if name == "auto":
-        if logits.dtype == torch.float64:
+        if dtype == torch.float64:
             return "torch"
         if on_cuda:
             if triton_backend is not None:
                 return "triton"
             return "cuda" if native_available() else "torch"
-        if logits.device.type == "cpu" and native_available():
+        if device.type == "cpu" and native_available():
             return "cpu"
         return "torch"
-    if logits.dtype == torch.float64 and name != "torch":
+    if dtype == torch.float64 and name != "torch":
         raise TypeError(
             f"backend={name!r} takes float32, bfloat16 or float16 logits; float64 logits run on "
             "backend='torch' (the gradcheck path) or 'auto'"
@@ -65,7 +74,7 @@ def resolve(name: str, logits: torch.Tensor) -> str:
             raise RuntimeError("backend='triton' needs the triton package: pip install triton")
         if not on_cuda and not triton_backend.INTERPRETED:
             raise ValueError(
-                f"backend='triton' got logits on {logits.device}; Triton kernels run on CUDA "
+                f"backend='triton' got logits on {device}; Triton kernels run on CUDA "
                 "tensors, or on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 "
                 "is set before gspo_kernels is imported. On CPU use backend='cpu' or 'torch'."
             )
@@ -73,10 +82,10 @@ def resolve(name: str, logits: torch.Tensor) -> str:
         error = native_backend.load_error()
         if error is not None:
             raise RuntimeError(
-                f"backend={name!r} needs the compiled extension gspo_kernels._C, which failed to "
-                f"load ({error}). Build it with `pip install --no-build-isolation -e .` after "
+                f"backend={name!r} needs the compiled extension gspo_kernels.backends._C, which failed "
+                f"to load ({error}). Build it with `pip install --no-build-isolation -e .` after "
                 "installing torch (see the README's Install section)."
             )
-        if logits.device.type != name:
-            raise ValueError(f"backend={name!r} needs logits on a {name} device; got {logits.device}")
+        if device.type != name:
+            raise ValueError(f"backend={name!r} needs logits on a {name} device; got {device}")
     return name

@@ -1,18 +1,18 @@
-"""The compiled extension gspo_kernels._C: CPU and CUDA kernels registered as torch ops
+"""The compiled extension gspo_kernels.backends._C: CPU and CUDA kernels registered as torch ops
 (schemas in csrc/ops.cpp), with fake implementations so torch.compile can trace them."""
 
 from __future__ import annotations
 
 import torch
 
-from .grad_inputs import GradInputs
+from .contract import GradInputs
 from .layout import with_unit_vocab_stride
 
 name = "native"
 
 _load_error: str | None = None
 try:
-    from gspo_kernels import _C  # noqa: F401  (loading it registers torch.ops.gspo_kernels.*)
+    from . import _C  # noqa: F401  (loading it registers torch.ops.gspo_kernels.*)
 except ImportError as exc:  # not built: the Triton and torch backends still work
     _C = None
     _load_error = str(exc)

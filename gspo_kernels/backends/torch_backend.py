@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .grad_inputs import GradInputs
+from .contract import LOG_FLOOR, GradInputs
 
 name = "torch"
-
-# Log-probabilities below this are probability 0 even in float32; clamping there changes no
-# value but keeps 0 * -inf (a -inf logit) out of the products. Same constant as csrc/gspo_math.h.
-LOG_FLOOR = -200.0
 
 
 def _scaled_rows(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:

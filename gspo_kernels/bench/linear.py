@@ -26,11 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fused_linear import fused_linear_gspo_loss
-from ..linear_products import cpu_has_native_bf16
+from ..linear import fused_linear_gspo_loss
+from ..linear.products import cpu_has_native_bf16
 from ..loss import gspo_loss
+from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
 from .providers import Provider, Step, _always, gspo_from_logprobs, requires
+from .report import timing_cells
+from .runner import Measurement, measure
+from .table import format_table
+from .timing import MODES
 
 SEQ_LEN = 512  # rows per sequence; N must be a multiple (or smaller)
 
@@ -182,9 +187,6 @@ LINEAR_PROVIDERS = {
 
 def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
     """BenchRows of one contender on one fused-linear problem (cfg: a runner.SuiteConfig)."""
-    from .memory import cpu_peak_bytes, gpu_peak_bytes
-    from .runner import Measurement, measure
-
     shape = problem.shape
     batch, seq = problem.hidden.shape[:2]
     base = dict(provider=name, batch=batch, seq_len=seq, vocab=shape.vocab, tokens=shape.tokens, dtype=cfg.dtype,
@@ -199,9 +201,6 @@ def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
 
 
 def format_linear(rows, meta) -> str:
-    from ..cli.table import format_table
-    from .timing import MODES
-
     out = []
     for key in dict.fromkeys((r.tokens, r.hidden, r.vocab) for r in rows):
         group = [r for r in rows if (r.tokens, r.hidden, r.vocab) == key]
@@ -215,12 +214,10 @@ def format_linear(rows, meta) -> str:
                 why = first.note[:80] if first.status == "skipped" else f"{first.status}: {first.note[:80]}"
                 skipped.append(f"{name} ({why})")
                 continue
-            full = cell.get((name, "fwd+bwd"))
-            ms = full.median_ms if full else None
-            mem = full.peak_mem_mib if full else None
+            modes, ms, mem, _ = timing_cells(cell, name)
             table.append([
                 name,
-                *("-" if (name, m) not in cell else f"{cell[(name, m)].median_ms:.1f}" for m in MODES),
+                *modes,
                 "-" if not ms else f"{shape.flops / (ms * 1e-3) / 1e9:.0f}",
                 "-" if mem is None else f"{mem:.0f}",
                 "-" if mem is None or not base or not base.peak_mem_mib else f"{mem / base.peak_mem_mib:.2f}x",

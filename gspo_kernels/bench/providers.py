@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch
 
-from .. import backends, reference
+from .. import backends
+from ..testing import reference
 from ..loss import gspo_loss
 from .problem import EPS_HIGH, EPS_LOW, BenchProblem
 
@@ -88,6 +89,11 @@ class Step:
     def clear_grads(self) -> None:
         for t in (self.leaf, *self.other_leaves):
             t.grad = None
+
+    def run(self) -> None:
+        """One forward + backward from cleared gradients."""
+        self.clear_grads()
+        self.loss().backward()
 
 
 def _on_logits(fn):
@@ -163,7 +169,7 @@ def _ours_available(backend: str):
                 return "CPU runs Triton only through its interpreter: a correctness path, not timed"
         if backend in ("cpu", "cuda"):
             if not backends.native_available():
-                return "extension gspo_kernels._C not built"
+                return "extension gspo_kernels.backends._C not built"
             if device != backend:
                 return f"needs {backend} tensors"
             if backend == "cuda" and not backends.native_backend.with_cuda():

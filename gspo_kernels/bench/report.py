@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from ..cli.table import format_table
+from .table import format_table
 from .providers import BASELINE
 from .runner import BenchRow, SuiteResult
 from .timing import MODES
@@ -13,6 +13,14 @@ from .timing import MODES
 
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
+
+
+def timing_cells(cell: dict, name: str):
+    """(each mode's formatted ms, fwd+bwd ms, fwd+bwd peak MiB, the fwd+bwd row) of one
+    provider, from its rows keyed by (provider, mode)."""
+    full = cell.get((name, "fwd+bwd"))
+    modes = [_fmt(cell[(name, m)].median_ms if (name, m) in cell else None, ".1f") for m in MODES]
+    return modes, (full.median_ms if full else None), (full.peak_mem_mib if full else None), full
 
 
 def _by_shape(rows):
@@ -41,12 +49,10 @@ def format_suite(result: SuiteResult) -> str:
             if all(cell.get((name, m)) is None or cell[(name, m)].status != "ok" for m in MODES):
                 table.append([name, *([first.status.upper()] * 3), "-", "-", "-", first.note[:60]])
                 continue
-            full = cell.get((name, "fwd+bwd"))
-            ms = full.median_ms if full else None
-            mem = full.peak_mem_mib if full else None
+            modes, ms, mem, full = timing_cells(cell, name)
             table.append([
                 name,
-                *(_fmt(cell[(name, m)].median_ms if (name, m) in cell else None, ".1f") for m in MODES),
+                *modes,
                 f"{base_ms / ms:.2f}x" if base_ms and ms else "-",
                 _fmt(mem, ".0f"),
                 f"{mem / base_mem:.2f}x" if mem is not None and base_mem else "-",

@@ -11,10 +11,10 @@ import torch
 
 from .. import backends
 from ..config import LEVELS
-from ..problems import ProblemSpec, make_problem
-from ..verify import STATS_LIMIT, linear_operands, run_case, run_linear_case, token_stats_errors
+from ..bench.table import print_table
+from ..testing.problems import ProblemSpec, make_problem
+from ..testing.verify import STATS_LIMIT, linear_operands, run_case, run_linear_case, token_stats_errors
 from .progress import Progress
-from .table import print_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,7 +17,8 @@ or the slices overlap or leave a gap there) and how many have a NaN or +inf in t
 Stage 2 then runs identically on every rank. Stage 3 needs no collective: the kernel, given
 the global lse and H, writes this slice's gradient; only the rows whose target lives on
 another rank carry a one-hot term they must not have, at column 0, which is rewritten from
-the formula (an O(N) fix-up).
+the formula (an O(N) fix-up, stats/vocab_slice.py: the same for a vocab block on one process).
+This module holds only what needs the group: the shard's place in the vocabulary and the merge.
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..backends.grad_inputs import GradInputs
-from ..backends.torch_backend import LOG_FLOOR
 from .collectives import all_reduce_max, check_group
-
 
 
 @dataclass(frozen=True)
@@ -54,13 +52,6 @@ class VocabShard:
         if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
             raise ValueError(f"vocab_start must be an int >= 0 (a global vocab id); got {vocab_start!r}")
         return VocabShard(group, vocab_start, local_vocab)
-
-    def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kernel targets, owned): ids made local, and column 0 for the rows this rank does
-        not own, so that the kernels neither read outside the slice nor flag the row NaN."""
-        local = targets - self.vocab_start
-        owned = (local >= 0) & (local < self.local_vocab)
-        return torch.where(owned, local, torch.zeros_like(local)), owned
 
     def merge(self, logp_k, entropy_k, lse_k, owned):
         """The global (logp, entropy, lse) of each row from this slice's stats; lse is NaN for
@@ -94,47 +85,3 @@ class VocabShard:
         logp = torch.where(no_softmax | (owners != 1), nan, target_total - log_mass)
         lse = torch.where(no_softmax | (owners != 1), nan, shift + log_mass)
         return logp, entropy, lse
-
-
-def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:
-    """Rewrites column 0 of `grad` (a vocab slice's gradient, `[..., V_local]`) for the rows in
-    the loss whose target is outside the slice (on another rank, or in another vocab block of
-    the fused-linear backward): there the kernel added the one-hot term g / T at column 0,
-    where the true gradient has only the softmax term.
-    first_logit: `[N]` the logits at column 0, read before an in-place kernel ran."""
-    foreign = ~owned
-    if inputs.row_mask is not None:
-        foreign = foreign & inputs.row_mask
-    inv_t = inputs.inv_temperature
-    dtype = inputs.lse.dtype
-    log_p = first_logit.to(dtype) * inv_t - inputs.lse
-    coef = inputs.grad_logp
-    if inputs.grad_entropy is not None:
-        coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
-    value = -torch.exp(log_p) * coef * inv_t
-    column = grad.select(-1, 0)
-    fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))
-    column.copy_(fixed.reshape(column.shape))
-
-
-def slice_logits_grad(backend, logits: torch.Tensor, inputs: GradInputs, owned: torch.Tensor | None,
-                      in_place: bool) -> torch.Tensor:
-    """Stage 3 over a vocab slice's logits: the backend's kernel, then column 0 rewritten for the
-    rows whose target lies outside the slice (owned: the rows whose target is in it; None: all).
-    in_place: the kernel may write over `logits`. Not when a fix-up follows under torch.compile:
-    inductor (torch 2.14) deferred the read of column 0 past the in-place kernel there and gave
-    wrong gradients, so the kernel writes a new buffer instead (one more buffer of the slice's
-    logits; gspo_loss's inplace=True with tp_group then leaves the saved logits intact)."""
-    column0 = None if owned is None else first_logit(logits)
-    if in_place and (owned is None or not torch.compiler.is_compiling()):
-        grad = backend.logits_grad_(logits, inputs)
-    else:
-        grad = backend.logits_grad(logits, inputs)
-    if owned is not None:
-        fix_foreign_rows(grad, column0, inputs, owned)
-    return grad
-
-
-def first_logit(logits: torch.Tensor) -> torch.Tensor:
-    """`[N]` copy of column 0 of `(B, T, V)` or `(N, V)` logits (any row strides)."""
-    return logits.select(-1, 0).reshape(-1).clone()

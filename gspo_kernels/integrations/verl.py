@@ -41,7 +41,7 @@ from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_
 from verl.trainer.ppo.core_algos import get_policy_loss_fn, register_policy_loss
 
 from ..config import GSPOConfig
-from ..fused_linear import fused_linear_selective_log_softmax
+from ..linear import fused_linear_selective_log_softmax
 from ..policy_loss import policy_loss
 
 BACKEND = "gspo_kernels"

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from . import backends
-from .backends.grad_inputs import GradInputs, upstream_grads
-from .backends.layout import writable_in_place
-from .config import BACKENDS, check_temperature
-from .distributed.vocab_parallel import VocabShard, slice_logits_grad
-from .inputs import check_logits_and_targets, check_mask
+from .. import backends
+from ..backends.contract import GradInputs
+from ..backends.layout import writable_in_place
+from ..config import check_backend, check_temperature
+from ..distributed.vocab_parallel import VocabShard
+from ..stage2.inputs import TokenLayout, check_mask, check_targets
+from .upstream import upstream_grads
+from .vocab_slice import shard_targets, slice_logits_grad
 
 
 class TokenStatsFunction(torch.autograd.Function):
@@ -33,7 +35,7 @@ class TokenStatsFunction(torch.autograd.Function):
         inv_temperature = 1.0 / temperature
         owned = None
         if shard is not None:
-            targets, owned = shard.local_targets(targets)
+            targets, owned = shard_targets(shard, targets)
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)
@@ -97,17 +99,17 @@ def selective_log_softmax(
     id outside [0, V), or a row with a NaN or +inf logit (or all -inf), gives a NaN log-prob
     and a NaN gradient row, whatever the upstream gradient.
 
-    tp_group: vocab-parallel logits (README, Distributed): `logits` hold this rank's slice
+    tp_group: vocab-parallel logits (docs/distributed.md): `logits` hold this rank's slice
     [vocab_start, vocab_start + V_local) of the vocabulary (vocab_start defaults to rank *
     V_local), target_ids are global ids, the results are the global ones on every rank, and
     backward writes this slice's gradient.
     """
     temperature = check_temperature(temperature)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    targets_flat = check_logits_and_targets(logits, target_ids)
-    row_mask = None if mask is None else check_mask(mask, target_ids.shape, logits.device)
-    resolved = backends.resolve(backend, logits)
+    check_backend(backend)
+    layout = TokenLayout.of_logits(logits)
+    targets_flat = check_targets(target_ids, layout)
+    row_mask = None if mask is None else check_mask(mask, layout)
+    resolved = backends.resolve(backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard)
     logp = logp.reshape(target_ids.shape)

@@ -1,21 +1,20 @@
-"""Launchers for the Triton kernels, registered as torch custom ops so torch.compile sees
-them as single opaque calls (with fake implementations for shape propagation)."""
+"""The Triton backend over materialised logits: launchers for row_kernels.py, registered as
+torch custom ops so torch.compile sees them as single opaque calls (with fake implementations
+for shape propagation). It is the module `backends.get("triton")` returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from . import triton_kernels as kernels
-from .grad_inputs import GradInputs
-from .layout import RowLayout, elements_disjoint, next_power_of_2, with_unit_vocab_stride
+from ..contract import GradInputs
+from ..layout import RowLayout, elements_disjoint, next_power_of_2, with_unit_vocab_stride
+from . import row_kernels as kernels
+from .common import INTERPRETED  # noqa: F401  (read as backends.triton_backend.INTERPRETED)
 
 name = "triton"
 
-# The kernels became interpreted functions if TRITON_INTERPRET=1 was set when they were defined.
-INTERPRETED = not isinstance(kernels.token_stats_kernel, triton.runtime.JITFunction)
 
 # Untuned on a GPU so far (no GPU run has been recorded): 16 KiB of logits per block keeps
 # every thread on several 16-byte loads per iteration at 8 warps.

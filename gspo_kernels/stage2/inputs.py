@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GSPOConfig
-from .distributed.collectives import check_group
+from ..config import GSPOConfig
+from ..distributed.collectives import check_group
 from .segments import Segments
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -41,10 +41,30 @@ def _require_shape(name: str, t: torch.Tensor, shape, what: str) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}); got {tuple(t.shape)}")
 
 
-def check_logits_and_targets(logits, target_ids) -> torch.Tensor:
-    """Validates the pair and returns the targets as a contiguous `[N]` int64 tensor."""
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where a call's tokens are, as every per-token input must match them: padded `(B, T)` or
+    packed `(N,)` (the logits' shape without V, or the log-probs' shape), on one device."""
+
+    shape: torch.Size
+    device: torch.device
+
+    @property
+    def packed(self) -> bool:
+        return len(self.shape) == 1
+
+    @property
+    def rows(self) -> int:
+        return self.shape.numel()
+
+    @staticmethod
+    def of_logits(logits) -> "TokenLayout":
+        check_logits(logits)
+        return TokenLayout(logits.shape[:-1], logits.device)
+
+
+def check_logits(logits) -> None:
     _require_tensor("logits", logits)
-    _require_tensor("target_ids", target_ids)
     if logits.dim() not in (2, 3):
         raise ValueError(
             f"logits must be (B, T, V) padded or (N, V) packed; got shape {tuple(logits.shape)}"
@@ -53,10 +73,15 @@ def check_logits_and_targets(logits, target_ids) -> torch.Tensor:
         raise TypeError(f"logits must be float32, bfloat16 or float16 (float64 on the torch path); got {logits.dtype}")
     if logits.shape[-1] == 0:
         raise ValueError("logits have an empty vocab dimension (V = 0)")
-    _require_shape("target_ids", target_ids, logits.shape[:-1], "the logits' shape without V")
+
+
+def check_targets(target_ids, layout: TokenLayout) -> torch.Tensor:
+    """Validates the targets against the layout; returns them as a contiguous `[N]` int64 tensor."""
+    _require_tensor("target_ids", target_ids)
+    _require_shape("target_ids", target_ids, layout.shape, "the logits' shape without V")
     if target_ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"target_ids must be int64 or int32; got {target_ids.dtype}")
-    _require_device("target_ids", target_ids, logits.device)
+    _require_device("target_ids", target_ids, layout.device)
     return target_ids.reshape(-1).to(torch.int64).contiguous()
 
 
@@ -84,8 +109,9 @@ def _check_values(ok: torch.Tensor, message: str) -> None:
     torch._assert_async(ok, message)
 
 
-def check_mask(value, token_shape, device) -> torch.Tensor:
+def check_mask(value, layout: TokenLayout) -> torch.Tensor:
     """The response mask as a `[N]` bool tensor (all True when value is None)."""
+    token_shape, device = layout.shape, layout.device
     if value is None:
         return torch.ones(token_shape.numel(), dtype=torch.bool, device=device)
     t = _require_tensor("mask", value)
@@ -114,11 +140,11 @@ def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> None:
     torch._assert_async(valid, "cu_seqlens must start at 0, be non-decreasing and end at N")
 
 
-def _segments(logits, cu_seqlens, cp_group) -> Segments:
-    if logits.dim() == 3:
+def _segments(layout: TokenLayout, cu_seqlens, cp_group) -> Segments:
+    if not layout.packed:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens is for packed (N, V) logits; padded (B, T, V) logits take none")
-        return Segments.padded(logits.shape[0], logits.shape[1], cp_group)
+        return Segments.padded(layout.shape[0], layout.shape[1], cp_group)
     if cu_seqlens is None:
         raise ValueError(
             "2-D logits are the packed layout (N, V) and need cu_seqlens (S+1,); "
@@ -129,10 +155,10 @@ def _segments(logits, cu_seqlens, cp_group) -> Segments:
         raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 2 entries; got shape {tuple(cu.shape)}")
     if cu.dtype not in INDEX_DTYPES:
         raise TypeError(f"cu_seqlens must be int32 or int64; got {cu.dtype}")
-    if cu.device != logits.device and cu.device.type != "cpu":
-        raise ValueError(f"cu_seqlens is on {cu.device} but logits are on {logits.device}")
-    _check_cu_seqlens(cu, logits.shape[0])
-    return Segments.packed(cu.to(device=logits.device, dtype=torch.int64), logits.shape[0], cp_group)
+    if cu.device != layout.device and cu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens is on {cu.device} but logits are on {layout.device}")
+    _check_cu_seqlens(cu, layout.rows)
+    return Segments.packed(cu.to(device=layout.device, dtype=torch.int64), layout.rows, cp_group)
 
 
 def _advantages(value, segments: Segments, token_shape, device) -> tuple[torch.Tensor, bool]:
@@ -170,7 +196,7 @@ def _normalizer(value, device):
 class LossBatch:
     """The loss inputs after checking: per-row `[N]` tensors plus the sequence layout."""
 
-    targets: torch.Tensor
+    targets: torch.Tensor | None  # None where the log-probs are given (policy_loss)
     token_shape: torch.Size
     mask: torch.Tensor
     old_logprobs: torch.Tensor | None
@@ -234,29 +260,31 @@ def _check_context_parallel(config: GSPOConfig, cp_group, entropy_threshold, max
                          "only its part of the horizon")
 
 
-def prepare_batch(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *,
+def prepare_batch(config: GSPOConfig, layout: TokenLayout, target_ids, old_logprobs, advantages, *,
                   mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None, rollout_logprobs=None,
                   entropy_threshold=None, cp_group=None, token_weights=None) -> LossBatch:
-    """cp_group: the context-parallel group whose ranks hold the other parts of every sequence
-    (README, Distributed), or None."""
-    targets = check_logits_and_targets(logits, target_ids)
-    device, token_shape = logits.device, target_ids.shape
+    """Every per-call input checked against the token layout and flattened to rows.
+    target_ids: None where there are none (policy_loss takes log-probs). cp_group: the
+    context-parallel group whose ranks hold the other parts of every sequence
+    (docs/distributed.md), or None."""
+    targets = None if target_ids is None else check_targets(target_ids, layout)
+    device, token_shape = layout.device, layout.shape
     _check_context_parallel(config, cp_group, entropy_threshold,
                             config.loss_agg == "seq-mean-token-sum-norm" and config.max_len is None)
-    segments = _segments(logits, cu_seqlens, cp_group)
+    segments = _segments(layout, cu_seqlens, cp_group)
     adv, adv_per_token = _advantages(advantages, segments, token_shape, device)
     ref = _per_token_logprobs("ref_logprobs", ref_logprobs, token_shape, device)
     if config.beta > 0 and ref is None:
         raise ValueError("beta > 0 adds a KL penalty and needs ref_logprobs")
     horizon = config.max_len
     if config.loss_agg == "seq-mean-token-sum-norm" and horizon is None:
-        if logits.dim() == 2:
+        if layout.packed:
             raise ValueError("loss_agg='seq-mean-token-sum-norm' on packed input needs max_len (the horizon)")
-        horizon = logits.shape[1]
+        horizon = token_shape[1]
     return LossBatch(
         targets=targets,
         token_shape=token_shape,
-        mask=check_mask(mask, token_shape, device),
+        mask=check_mask(mask, layout),
         old_logprobs=_per_token_logprobs("old_logprobs", old_logprobs, token_shape, device),
         ref_logprobs=ref,
         advantages=adv,

@@ -1,7 +1,7 @@
 """The fused-linear loss's Triton path: stages 1 and 3 in kernels that hold the logits only in
-on-chip tiles (backends/triton_linear_kernels.py), behind one autograd Function.
+on-chip tiles (backends/triton/tile_kernels.py), behind one autograd Function.
 
-Against the chunked path (fused_linear.py): no float32 chunk of logits in global memory and no
+Against the chunked path (chunked.py): no float32 chunk of logits in global memory and no
 `dz` buffer, at the price of float32 atomics in backward (results vary in the last bits from run
 to run) and a float32 `d hidden` accumulator. Gradient filtering (filter_eps > 0) skips the
 products of tiles in which each row's probability mass is below filter_eps.
@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends.grad_inputs import nan_lse_for_bad_targets, upstream_grads
+from .. import backends
+from ..backends.contract import GradInputs
+from ..stats.upstream import nan_lse_for_bad_targets, upstream_grads
+from ..stats.vocab_slice import shard_targets
 
 
 class TiledLinearTokenStats(torch.autograd.Function):
@@ -20,15 +23,14 @@ class TiledLinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, how):
-        from .backends import triton_linear  # imported here: the chunked path runs without triton
-
+        triton_tiles = backends.triton_tiles  # LinearPass.of checked that they run here
         shard = how.shard
         if shard is None:
             kernel_targets = targets
         else:
-            local, owned = shard.local_targets(targets)
+            local, owned = shard_targets(shard, targets)
             kernel_targets = torch.where(owned, local, torch.full_like(local, -1))  # -1: no one-hot here
-        logp, entropy, lse = triton_linear.token_stats(hidden, weight, bias, kernel_targets, how.inv_temperature)
+        logp, entropy, lse = triton_tiles.token_stats(hidden, weight, bias, kernel_targets, how.inv_temperature)
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
@@ -45,14 +47,12 @@ class TiledLinearTokenStats(torch.autograd.Function):
         none = (None,) * 3
         if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
-        from .backends import triton_linear
-
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         need = tuple(ctx.needs_input_grad[:3])
-        g = triton_linear.grads(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask,
-                                how.inv_temperature, need, how.filter_eps)
+        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature)
+        g = backends.triton_tiles.grads(hidden, weight, bias, inputs, need, how.linear.grad_filter_eps)
         d_hidden = g.hidden
-        if d_hidden is not None and how.shard is not None and how.reduce_hidden_grad:
+        if d_hidden is not None and how.reduce_hidden_grad:
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)
         return (None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if g.weight is None else g.weight.to(weight.dtype),

@@ -3,7 +3,7 @@
 Every function takes the same PolicyInputs (per-row `[N]` tensors, zero outside the response)
 and returns a PolicyTerm: the per-token loss term (to be minimised, before any weighting or
 aggregation) and the per-token flags that the clip metrics count. Formulas and sources are in
-the README's table "Objectives and corrections".
+docs/semantics.md, "Objectives and corrections".
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GSPOConfig
+from ..config import GSPOConfig
 from .segments import Segments
 
 

@@ -3,10 +3,10 @@ logits only ever in on-chip tiles (in the spirit of Cut Cross Entropy).
 
 Forward: one program per block of BLOCK_N rows walks the vocab in BLOCK_V tiles; each tile's
 logits are a tl.dot over the hidden size, reduced at once into the online-softmax statistics
-(the merge of triton_kernels, shared) and the target logit. Nothing `[N, V]` is written.
+(common.py's merge, as the row kernels) and the target logit. Nothing `[N, V]` is written.
 
 Backward: one program per (row block, vocab tile) recomputes the tile, forms its gradient dz
-(the formula and row rule of the row kernels), and adds dz @ W into d hidden and dz.T @ H
+(common.py's formula and row rule, as the row kernels), and adds dz @ W into d hidden and dz.T @ H
 into d weight with float32 atomics, so results are not bit-reproducible from run to run.
 Gradient filtering: a tile in which each row's probability mass is below `filter_eps` (holding
 no row's target and no NaN row) skips both products; FILTER=False turns it off. Rows are in the loss or not
@@ -18,7 +18,7 @@ on another rank).
 import triton
 import triton.language as tl
 
-from .triton_kernels import block_softmax_stats, merge_softmax_stats
+from .common import block_softmax_stats, finish_stats, grad_term, merge_softmax_stats, row_rule
 
 
 @triton.jit
@@ -72,13 +72,10 @@ def linear_token_stats_kernel(
         bm, bs, ba = block_softmax_stats(z, 1)
         m, s, a = merge_softmax_stats(m, s, a, bm, bs, ba)
         z_target += tl.sum(tl.where(idx[None, :] == target[:, None], z, 0.0), 1)
-    log_s = tl.log(s)
-    valid = (target >= 0) & (target < vocab)
-    logp = tl.where(valid, (z_target - m) - log_s, float("nan"))
-    logp = tl.where(logp > 0, 0.0, logp)  # a rounding above 0 is impossible for a log-prob; NaN stays
+    logp, entropy, lse = finish_stats(m, s, a, z_target, (target >= 0) & (target < vocab))
     tl.store(logp_ptr + rows, logp, mask=row_ok)
-    tl.store(entropy_ptr + rows, log_s - a / s, mask=row_ok)
-    tl.store(lse_ptr + rows, m + log_s, mask=row_ok)
+    tl.store(entropy_ptr + rows, entropy, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -94,37 +91,32 @@ def linear_grad_kernel(
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < n_rows
     g = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0)
-    has_upstream = g != 0.0
+    hg = g
+    entropy = g
     if HAS_ENTROPY_GRAD:
         hg = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
         entropy = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
-        has_upstream = has_upstream | (hg != 0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(targets_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-    make_nan = (lse != lse) | (lse == float("inf")) | (lse == -float("inf"))
     if HAS_ROW_MASK:
         in_loss = tl.load(row_mask_ptr + rows, mask=row_ok, other=0) != 0
     else:
         in_loss = row_ok
-    make_nan = make_nan & in_loss
-    compute = has_upstream & in_loss & (make_nan == 0)
+    # A target < 0 is not bad here: it lives on another rank (no one-hot term); a target no
+    # rank holds arrives as a NaN lse, set by the caller.
+    make_nan, compute = row_rule(lse, False, g, hg, in_loss, HAS_ENTROPY_GRAD)
     z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w,
                      inv_temperature, HAS_BIAS, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+    col_ok = cols[None, :] < vocab
     log_p = z - tl.where(compute, lse, 0.0)[:, None]
-    p = tl.exp(log_p)
-    if HAS_ENTROPY_GRAD:
-        coef = g[:, None] + hg[:, None] * (tl.maximum(log_p, -200.0) + entropy[:, None])
-    else:
-        coef = g[:, None]
-    dz = -p * coef + tl.where(cols[None, :] == target[:, None], g[:, None], 0.0)
-    dz = tl.where(compute[:, None] & (cols[None, :] < vocab), dz * inv_temperature, 0.0)
-    dz = tl.where(make_nan[:, None] & (cols[None, :] < vocab), float("nan"), dz)
+    dz, p = grad_term(log_p, g[:, None], hg[:, None], entropy[:, None], cols[None, :] == target[:, None],
+                      compute[:, None] & col_ok, make_nan[:, None] & col_ok, inv_temperature, HAS_ENTROPY_GRAD)
     active = 1
     if FILTER:
         # Skip the tile when each row's probability mass in it is below filter_eps, no row's
         # target is in it and no row in it is NaN: a row then loses at most eps of its softmax
-        # mass to the tile (README, "Fused kernel", for the bound on the gradient).
-        live = compute[:, None] & (cols[None, :] < vocab)
+        # mass to the tile (docs/fused_linear.md, "Gradient filtering", for the bound).
+        live = compute[:, None] & col_ok
         hits_target = tl.sum(tl.where(live & (cols[None, :] == target[:, None]), 1, 0)) > 0
         # NaN rows, and rows whose upstream gradient is not finite: their NaN reaches every tile.
         bad_upstream = (g != g) | (tl.abs(g) == float("inf"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import GSPOConfig
+from ..config import GSPOConfig
 from .objectives import PolicyInputs
 from .segments import Segments
 

@@ -1,10 +1,19 @@
-"""What stage 3 reads besides the logits, bundled once for every backend."""
+"""What every backend agrees on besides the logits: the stage-3 inputs and the log floor.
+
+The three functions each backend module exposes are listed in `backends/__init__.py`;
+GradInputs is what their gradient functions read, bundled once for all of them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# Log-probabilities below this are probability 0 even in float32; clamping there changes no
+# value but keeps 0 * -inf (a -inf logit) out of the products. The one Python constant: the
+# Triton kernels take it as a constexpr (triton/common.py), C++ has csrc/gspo_math.h kLogFloor.
+LOG_FLOOR = -200.0
 
 
 @dataclass(frozen=True)
@@ -35,21 +44,3 @@ class GradInputs:
         """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
         return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
                 self.inv_temperature)
-
-
-def upstream_grads(grad_logp, grad_entropy, lse):
-    """The autograd gradients of (logp, entropy) as the kernels take them: contiguous rows in
-    lse's dtype (autograd may hand over expanded, stride-0 ones), a zero grad_logp for None,
-    and grad_entropy left None so that stage 3 skips the entropy term."""
-    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
-    if grad_entropy is not None:
-        grad_entropy = grad_entropy.to(lse.dtype).contiguous()
-    return grad_logp, grad_entropy
-
-
-def nan_lse_for_bad_targets(lse: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
-    """lse NaN for the rows whose target is outside [0, vocab): the row rule then makes such a row
-    (when in the loss) NaN even where the kernel is handed another column as its target (a vocab
-    block of the fused-linear backward, the tile kernels' -1)."""
-    valid = (targets >= 0) & (targets < vocab)
-    return torch.where(valid, lse, torch.full_like(lse, float("nan")))

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..linear import fused_linear_gspo_loss
+from ..loss import gspo_loss
+from ..stats.token_stats import selective_log_softmax
 from . import reference
-from .fused_linear import fused_linear_gspo_loss
-from .loss import gspo_loss
 from .problems import Problem
 
 # Fractions of tokens: one token's difference is >= 1/N, so these must agree to rounding.
@@ -138,8 +139,6 @@ def stats_probe_logits(rows: int, dtype: torch.dtype, device: str, seed: int = 0
 def token_stats_errors(backend: str, dtype: torch.dtype, device: str, rows: int = 64, seed: int = 0):
     """Largest absolute error of `backend`'s log-probs and entropies against float64, on
     stats_probe_logits. Returns (logp_error, entropy_error); NaN anywhere gives inf."""
-    from .token_stats import selective_log_softmax
-
     logits = stats_probe_logits(rows, dtype, device, seed)
     targets = torch.randint(0, logits.shape[-1], (rows,), generator=torch.Generator().manual_seed(seed + 1))
     logp, entropy = selective_log_softmax(logits, targets.to(device), return_entropy=True, backend=backend)

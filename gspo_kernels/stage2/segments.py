@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed.collectives import all_reduce_max, replicated_loss, replicated_sum
+from ..distributed.collectives import all_reduce_max, replicated_loss, replicated_sum
 
 
 def _packed_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

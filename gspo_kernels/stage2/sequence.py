@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import corrections
-from .config import GSPOConfig
+from ..config import GSPOConfig
 from .inputs import LossBatch
 from .objectives import PolicyInputs, policy_term
 

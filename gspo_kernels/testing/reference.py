@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import GSPOConfig
+from ..config import GSPOConfig
 
 def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response):
     rows = logits.double().reshape(-1, logits.shape[-1])

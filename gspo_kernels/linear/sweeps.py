@@ -9,8 +9,8 @@ other in float32 (deterministic either way: no atomics):
 - vocab: blocks of vocab columns over all N rows. A block's `d weight` rows (and `d bias`
   entries) are one product (`dz.T @ hidden`); `d hidden` is summed over the blocks in an
   `[N, H]` accumulator. A row's target lies in one block; the others see it as a foreign row,
-  as a tensor-parallel rank does (distributed/vocab_parallel.py), and their column 0 is
-  rewritten from the formula.
+  as a tensor-parallel rank does (stats/vocab_slice.py), and their column 0 is rewritten from
+  the formula.
 
 `choose_sweep` takes the one with the smaller accumulator (vocab when N < V: at N = 16384,
 H = 4096, V = 151936 that is 256 MiB against 2.3 GiB), and the one that needs none when only one
@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .backends.grad_inputs import GradInputs
-from .distributed.vocab_parallel import VocabShard, slice_logits_grad
-from .linear_products import Operands
+from ..backends.contract import GradInputs
+from ..stats.vocab_slice import VocabSlice, slice_logits_grad
+from .products import Operands
 
 
 def choose_sweep(rows: int, vocab: int, need_hidden: bool, need_weight: bool, weight_grad_fp32: bool,
@@ -112,8 +112,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need):
             rows_mm = ops.rows(hidden)  # upcast once (CPU), not once per block
             if need_h:
                 d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
-        block = VocabShard(None, start, cols.stop - start)
-        local, in_block = block.local_targets(saved.inputs.targets)
+        local, in_block = VocabSlice(start, cols.stop - start).local_targets(saved.inputs.targets)
         owned = in_block if saved.owned is None else in_block & saved.owned
         dz = _block_grad(backend, ops, rows_mm, replace(saved.inputs, targets=local), owned)
         if need_w:

@@ -6,10 +6,10 @@ lm_head weight (log-probs and entropies, both differentiable, no logits kept), t
 gspo_kernels' stage 2 (policy_loss) and TRL's entropy bonus; its no-grad log-prob passes
 (old and reference policies) use the same fused-linear token stats. Every TRL
 option is read from the trainer when the loss runs and mapped onto a GSPOConfig and a
-normalizer that reproduce TRL's own numbers (`_trl_config`, `_trl_normalizer`); an option
-this path cannot honour sends that call to TRL's own code, with one warning naming it.
+normalizer that reproduce TRL's own numbers (options.py); an option this path cannot honour
+sends that call to TRL's own code, with one warning naming it.
 
-Tested against trl 1.16 (`tests/test_integration_trl.py`); the README states the range.
+Tested against trl 1.16 (tests/integrations/); docs/trainers.md states the range.
 """
 
 from __future__ import annotations
@@ -23,30 +23,12 @@ import trl
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from accelerate.utils import is_peft_model
 
-from ..config import GSPOConfig
-from ..fused_linear import fused_linear_selective_log_softmax
-from ..policy_loss import policy_loss
-
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-# Inputs of vision-language models: the fused path feeds text models only.
-_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-_ROLLOUT_MODES = {"token_truncate": "token-truncate", "token_mask": "token-mask",
-                  "sequence_truncate": "sequence-truncate", "sequence_mask": "sequence-mask"}
-# CISPO's weight is clip(r, max=epsilon_high) in TRL: no lower bound, which eps_low just below
-# 1 gives (GSPOConfig needs eps_low < 1).
-_CISPO_EPS_LOW = 1.0 - 1e-9
-
-
-def _scaled_logits(config) -> str | None:
-    """The first logit transform of the model that the fused loss does not apply, if any."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "final_logit_softcapping", None) is not None:
-        return "final_logit_softcapping"
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
-        if getattr(text, name, None) not in (None, 1, 1.0):
-            return name
-    return None
+from ...config import GSPOConfig
+from ...linear import fused_linear_selective_log_softmax
+from ...policy_loss import policy_loss
+from . import options
+from .metrics import log_trl_metrics
+from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
 
 
 @dataclass(frozen=True)
@@ -106,20 +88,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     # --- what the fused path cannot do -----------------------------------------------------
 
     def _gspo_unsupported(self, model, inputs) -> str | None:
-        if self.loss_type not in SUPPORTED_LOSS_TYPES:
-            return f"loss_type={self.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})"
-        if self.importance_sampling_level not in ("token", "sequence"):
-            return f"importance_sampling_level={self.importance_sampling_level!r}"
         if self.aux_loss_enabled:
             return "the MoE router auxiliary loss"
         if self.use_adaptive_entropy:
             return "use_adaptive_entropy (TRL's entropy-coefficient controller)"
-        if any(inputs.get(key) is not None for key in _MULTIMODAL):
+        if any(inputs.get(key) is not None for key in MULTIMODAL_INPUTS):
             return "multimodal inputs"
-        if self.use_vllm and self.vllm_importance_sampling_correction and \
-                self.vllm_importance_sampling_mode not in _ROLLOUT_MODES:
-            return f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}"
-        return self._gspo_unsupported_model(model)
+        return options.unsupported_setting(TRLSettings.of(self)) or self._gspo_unsupported_model(model)
 
     def _gspo_unsupported_model(self, model) -> str | None:
         unwrapped = self.accelerator.unwrap_model(model)
@@ -128,7 +103,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         peft_config = getattr(unwrapped, "peft_config", None)
         if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
             return "PEFT prompt learning (its virtual tokens enter through the PEFT wrapper)"
-        scaled = _scaled_logits(unwrapped.config)
+        scaled = options.scaled_logits(unwrapped.config)
         if scaled is not None:
             return f"a model whose logits are transformed ({scaled})"
         return None
@@ -180,46 +155,15 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _trl_config(self) -> GSPOConfig:
         """GSPOConfig that computes TRL's per-token policy term for this trainer's options."""
-        options = dict(level=self.importance_sampling_level, temperature=self.temperature,
-                       eps_low=self.epsilon_low, eps_high=self.epsilon_high, beta=self.beta,
-                       kl_estimator="k3", use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
-                       off_policy_mask_threshold=self.off_policy_mask_threshold,
-                       top_entropy_quantile=self.top_entropy_quantile,
-                       log_ratio_clamp=(None, None))  # TRL exponentiates its log-ratios unclamped
-        if self.loss_type == "cispo":
-            options.update(objective="cispo", eps_low=_CISPO_EPS_LOW, eps_high=self.epsilon_high - 1.0)
-        elif self.loss_type == "sapo":
-            options.update(objective="sapo", sapo_tau_pos=self.args.sapo_temperature_pos,
-                           sapo_tau_neg=self.args.sapo_temperature_neg)
-        else:
-            options.update(objective="clip", delta=self.args.delta)
-        options["loss_agg"] = "seq-mean-token-mean" if self.loss_type in ("grpo", "sapo") else "token-mean"
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            # TRL's weights: exp(old - sampler) per token, or exp of the sum per sequence (a product),
-            # truncated into or masked outside [clip_min, clip_max].
-            options.update(rollout_correction=_ROLLOUT_MODES[self.vllm_importance_sampling_mode],
-                           rollout_sequence_weight="product",
-                           rollout_is_min=self.vllm_importance_sampling_clip_min,
-                           rollout_is_max=self.vllm_importance_sampling_clip_max)
-        return GSPOConfig(**options)
+        return options.gspo_config(TRLSettings.of(self))
 
     def _trl_normalizer(self, inputs, mask: torch.Tensor) -> torch.Tensor | float:
-        """TRL's denominator for this loss type, gradient accumulation included: a sequence
-        mean divides by every row of the batch, empty completions included."""
-        training = self.model.training
-        accumulation = self.current_gradient_accumulation_steps if training else 1
-        rows = mask.size(0)
-        if self.loss_type in ("grpo", "sapo"):
-            return float(rows * accumulation)
-        if self.loss_type == "bnpo":
-            return mask.sum().clamp(min=1.0).float() * accumulation
-        if self.loss_type == "dr_grpo":
-            return float(rows * self.max_completion_length * accumulation)
-        # dapo, cispo: num_items_in_batch spans the generation batch, over every process
-        count = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
-        if training:
-            count = count * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return count
+        """TRL's denominator for this loss type (options.normalizer), at this point of the step."""
+        counts = StepCounts(training=self.model.training, accumulation_steps=self.current_gradient_accumulation_steps,
+                            num_processes=self.accelerator.num_processes,
+                            steps_per_generation=self.args.steps_per_generation,
+                            num_items_in_batch=inputs.get("num_items_in_batch"))
+        return options.normalizer(TRLSettings.of(self), counts, mask)
 
     def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """TRL's top-entropy threshold: the quantile over every process's completion tokens."""
@@ -259,7 +203,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             config=config)
         if self.entropy_coef != 0.0:
             loss = self._with_entropy_bonus(loss, entropy, mask, threshold)
-        self._log_trl_metrics(metrics, inputs, mask)
+        log_trl_metrics(self, metrics, inputs, mask)
         return loss
 
     def _with_entropy_bonus(self, loss, entropy, mask, threshold):
@@ -276,57 +220,3 @@ class GRPOTrainer(trl.GRPOTrainer):
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return loss - self.entropy_coef * bonus
-
-    # --- TRL's metrics, under TRL's names ---------------------------------------------------
-
-    def _log_trl_metrics(self, metrics: dict, inputs, mask: torch.Tensor) -> None:
-        """The metrics TRL's loss logs, from the loss's detached outputs, by TRL's formulas:
-        means over every process's response tokens (or, for a per-sequence value, over every
-        row), and per-sequence clip fractions reduced by min / max."""
-        mode = "train" if self.model.training else "eval"
-        zero = torch.zeros((), device=mask.device)
-        # TRL's per-token tensors hold zeros outside the completion.
-        logp = torch.where(mask, metrics["token_logprobs"], zero)
-        entropy = torch.where(mask, metrics["entropy"], zero)
-        old = inputs.get("old_per_token_logps")
-        old = logp if old is None else torch.where(mask, old, zero)
-        maskf = mask.float()
-        rows = mask.size(0)
-        if self.importance_sampling_level == "sequence":
-            ratio = metrics["seq_ratio"].unsqueeze(1)  # one value per row
-        else:
-            ratio = torch.exp(logp - old)
-        advantages = inputs["advantages"]
-        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-
-        def global_mean(values: torch.Tensor) -> float:
-            if values.size(1) == 1:
-                local = torch.stack([values.sum(), torch.tensor(float(rows), device=values.device)])
-            else:
-                local = torch.stack([(values * maskf).sum(), maskf.sum()])
-            total = self.accelerator.reduce(local, reduction="sum")
-            return (total[0] / total[1].clamp(min=1.0)).item()
-
-        def per_row(values: torch.Tensor) -> torch.Tensor:
-            return values.squeeze(1) if values.size(1) == 1 else (values * maskf).sum(-1) / maskf.sum(-1)
-
-        if self.beta != 0.0:
-            log_gap = inputs["ref_per_token_logps"] - logp
-            kl = torch.exp(log_gap) - log_gap - 1
-            if self.args.use_bias_correction_kl:
-                kl = kl * ratio
-            self._metrics[mode]["kl"].append(global_mean(kl))
-        self._metrics[mode]["entropy"].append(global_mean(entropy))
-        if self.loss_type == "cispo":
-            clipped = ((ratio > self.epsilon_high) & (advantages > 0)).float()
-            self._metrics[mode]["cispo_clip_ratio"].append(global_mean(clipped))
-        elif self.loss_type != "sapo":
-            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
-            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
-            self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low))
-            self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(high))
-            self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high)))
-            gathered_low = self.accelerator.gather(per_row(low))
-            gathered_high = self.accelerator.gather(per_row(high))
-            self._metrics[mode]["clip_ratio/low_min"].append(trl.trainer.utils.nanmin(gathered_low).item())
-            self._metrics[mode]["clip_ratio/high_max"].append(trl.trainer.utils.nanmax(gathered_high).item())

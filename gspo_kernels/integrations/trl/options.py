@@ -1,0 +1,137 @@
+"""TRL's options mapped onto gspo_kernels': a GSPOConfig and a normalizer that reproduce TRL's
+own numbers. Plain values in, plain values out, so the mapping is testable without TRL
+installed; trainer.py reads the settings off a live GRPOTrainer (`TRLSettings.of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...config import GSPOConfig
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+# Inputs of vision-language models: the fused path feeds text models only.
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_ROLLOUT_MODES = {"token_truncate": "token-truncate", "token_mask": "token-mask",
+                  "sequence_truncate": "sequence-truncate", "sequence_mask": "sequence-mask"}
+# CISPO's weight is clip(r, max=epsilon_high) in TRL: no lower bound, which eps_low just below
+# 1 gives (GSPOConfig needs eps_low < 1).
+_CISPO_EPS_LOW = 1.0 - 1e-9
+
+
+@dataclass(frozen=True)
+class TRLSettings:
+    """The GRPOTrainer attributes and GRPOConfig arguments that the loss depends on."""
+
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    use_bias_correction_kl: bool = False
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vllm_correction: bool = False  # use_vllm and vllm_importance_sampling_correction
+    vllm_mode: str = "sequence_mask"
+    vllm_clip_min: float | None = None
+    vllm_clip_max: float | None = None
+    max_completion_length: int = 256
+
+    @staticmethod
+    def of(trainer) -> "TRLSettings":
+        args = trainer.args
+        return TRLSettings(
+            loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
+            temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+            beta=trainer.beta, use_bias_correction_kl=bool(args.use_bias_correction_kl),
+            off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+            top_entropy_quantile=trainer.top_entropy_quantile, delta=args.delta,
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            vllm_correction=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+            vllm_mode=trainer.vllm_importance_sampling_mode,
+            vllm_clip_min=trainer.vllm_importance_sampling_clip_min,
+            vllm_clip_max=trainer.vllm_importance_sampling_clip_max,
+            max_completion_length=trainer.max_completion_length)
+
+
+def unsupported_setting(settings: TRLSettings) -> str | None:
+    """Why the fused loss cannot compute TRL's loss for these settings, or None."""
+    if settings.loss_type not in SUPPORTED_LOSS_TYPES:
+        return f"loss_type={settings.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})"
+    if settings.importance_sampling_level not in ("token", "sequence"):
+        return f"importance_sampling_level={settings.importance_sampling_level!r}"
+    if settings.vllm_correction and settings.vllm_mode not in _ROLLOUT_MODES:
+        return f"vllm_importance_sampling_mode={settings.vllm_mode!r}"
+    return None
+
+
+def scaled_logits(model_config) -> str | None:
+    """The first logit transform of the model that the fused loss does not apply, if any."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        return "final_logit_softcapping"
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        if getattr(text, name, None) not in (None, 1, 1.0):
+            return name
+    return None
+
+
+def gspo_config(settings: TRLSettings) -> GSPOConfig:
+    """GSPOConfig that computes TRL's per-token policy term for these settings (ValueError for
+    one our options refuse)."""
+    options = dict(level=settings.importance_sampling_level, temperature=settings.temperature,
+                   eps_low=settings.epsilon_low, eps_high=settings.epsilon_high, beta=settings.beta,
+                   kl_estimator="k3", use_bias_correction_kl=settings.use_bias_correction_kl,
+                   off_policy_mask_threshold=settings.off_policy_mask_threshold,
+                   top_entropy_quantile=settings.top_entropy_quantile,
+                   log_ratio_clamp=(None, None))  # TRL exponentiates its log-ratios unclamped
+    if settings.loss_type == "cispo":
+        options.update(objective="cispo", eps_low=_CISPO_EPS_LOW, eps_high=settings.epsilon_high - 1.0)
+    elif settings.loss_type == "sapo":
+        options.update(objective="sapo", sapo_tau_pos=settings.sapo_temperature_pos,
+                       sapo_tau_neg=settings.sapo_temperature_neg)
+    else:
+        options.update(objective="clip", delta=settings.delta)
+    options["loss_agg"] = "seq-mean-token-mean" if settings.loss_type in ("grpo", "sapo") else "token-mean"
+    if settings.vllm_correction:
+        # TRL's weights: exp(old - sampler) per token, or exp of the sum per sequence (a product),
+        # truncated into or masked outside [clip_min, clip_max].
+        options.update(rollout_correction=_ROLLOUT_MODES[settings.vllm_mode], rollout_sequence_weight="product",
+                       rollout_is_min=settings.vllm_clip_min, rollout_is_max=settings.vllm_clip_max)
+    return GSPOConfig(**options)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Where in TRL's step the loss runs: what its denominators depend on besides the mask."""
+
+    training: bool
+    accumulation_steps: int  # the trainer's current gradient-accumulation steps
+    num_processes: int
+    steps_per_generation: int
+    num_items_in_batch: torch.Tensor | None = None  # dapo, cispo: tokens of the generation batch
+
+
+def normalizer(settings: TRLSettings, counts: StepCounts, mask: torch.Tensor) -> torch.Tensor | float:
+    """TRL's denominator for this loss type, gradient accumulation included: a sequence
+    mean divides by every row of the batch, empty completions included."""
+    accumulation = counts.accumulation_steps if counts.training else 1
+    rows = mask.size(0)
+    if settings.loss_type in ("grpo", "sapo"):
+        return float(rows * accumulation)
+    if settings.loss_type == "bnpo":
+        return mask.sum().clamp(min=1.0).float() * accumulation
+    if settings.loss_type == "dr_grpo":
+        return float(rows * settings.max_completion_length * accumulation)
+    # dapo, cispo: num_items_in_batch spans the generation batch, over every process
+    count = counts.num_items_in_batch.clamp(min=1.0).float() / counts.num_processes
+    if counts.training:
+        count = count * counts.accumulation_steps / counts.steps_per_generation
+    return count

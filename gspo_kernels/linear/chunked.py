@@ -1,0 +1,80 @@
+"""The chunked fused-linear path, every backend: rows are taken `chunk` at a time; a chunk's
+logits z = hidden @ weight.T (+ bias) are formed in float32 by one matmul (products.py), the
+backend's stage-1 kernel reads them, and they are dropped. Backward (sweeps.py) forms the logits
+again a buffer at a time, runs the stage-3 kernel over them in place (dz), and takes `d hidden`,
+`d weight` and `d bias` from dz by matmuls: over chunks of rows, accumulating `d weight` in
+float32, or over blocks of vocab columns, accumulating `d hidden`, whichever accumulator is
+smaller (no atomics: the same inputs give the same bits).
+
+Nothing `[N, V]` is kept: what survives forward is the inputs and O(N) statistics. Peak memory
+is one float32 buffer of logits plus the smaller accumulator; on a CPU, for 16-bit inputs, also
+float32 copies of the operands while a pass runs (CPUs without native bf16 multiply it 10-80x
+slower than fp32, so both operands are upcast there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import backends
+from ..backends.contract import GradInputs
+from ..stats.upstream import nan_lse_for_bad_targets, upstream_grads
+from ..stats.vocab_slice import shard_targets
+from .plan import LinearPass
+from .products import Operands
+from .sweeps import SavedPass, choose_sweep, rows_sweep, vocab_sweep
+
+
+class FusedLinearTokenStats(torch.autograd.Function):
+    """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]`, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_mask, how: LinearPass):
+        backend = backends.get(how.backend_name)
+        rows = hidden.shape[0]
+        stats_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logp, entropy, lse = (torch.empty(rows, dtype=stats_dtype, device=hidden.device) for _ in range(3))
+        owned = None
+        if how.shard is not None:
+            targets, owned = shard_targets(how.shard, targets)
+        ops = Operands(weight, bias)
+        for start in range(0, rows, how.chunk):
+            part = slice(start, min(start + how.chunk, rows))
+            logits = ops.logits(hidden[part])
+            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
+        if how.shard is not None:
+            # One merge for all rows after the loop: two collectives per call, not per chunk.
+            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
+        else:
+            lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # for the vocab sweep's blocks
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
+        ctx.how = how
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
+        how = ctx.how
+        none = (None,) * 3
+        if grad_logp is None and grad_entropy is None:
+            return (None, None, None) + none
+        backend = backends.get(how.backend_name)
+        need = tuple(ctx.needs_input_grad[:3])
+        grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
+        saved = SavedPass(hidden, weight, bias, owned,
+                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature))
+        reduce_hidden = how.reduce_hidden_grad
+        fp32 = how.linear.weight_grad_fp32
+        sweep = choose_sweep(hidden.shape[0], weight.shape[0], need[0], need[1], fp32, weight.dtype)
+        if sweep == "vocab":
+            d_hidden, d_weight, d_bias = vocab_sweep(backend, saved, how.chunk, need)
+        else:
+            # A slice's partial d hidden is summed over ranks in float32, then rounded once.
+            d_hidden, d_weight, d_bias = rows_sweep(backend, saved, how.chunk, need, reduce_hidden, fp32)
+        if d_hidden is not None and reduce_hidden:
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)
+        return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+                None if d_weight is None else d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype)) + none

@@ -1,0 +1,60 @@
+"""How one fused-linear call runs, resolved once against its tensors: everything the autograd
+Functions need but the tensors themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import backends
+from ..config import LinearConfig
+from ..distributed.vocab_parallel import VocabShard
+
+# float32 logits per chunk when chunk_size is None: a budget in bytes, rows = budget / (4 V).
+CHUNK_BUDGET_BYTES = {"cpu": 32 << 20, "cuda": 256 << 20}
+
+
+def default_chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
+    """Rows per chunk for a float32 `[rows, V]` logits buffer within CHUNK_BUDGET_BYTES
+    (32 MiB on a CPU, 256 MiB on a GPU): 256 rows at V = 32768 on a CPU."""
+    budget = CHUNK_BUDGET_BYTES.get(device.type, CHUNK_BUDGET_BYTES["cpu"])
+    return max(1, min(rows, budget // (4 * vocab)))
+
+
+@dataclass(frozen=True)
+class LinearPass:
+    """One call's plan: the validated LinearConfig and what it resolved to for these tensors."""
+
+    linear: LinearConfig
+    inv_temperature: float
+    backend_name: str  # resolved; "triton" whenever linear.fused
+    chunk: int  # rows per chunk of the chunked path
+    shard: VocabShard | None = None  # vocab-parallel: the weight holds this rank's vocab slice
+
+    @property
+    def reduce_hidden_grad(self) -> bool:
+        """Whether backward sums `d hidden` over the tensor-parallel group."""
+        return self.shard is not None and self.linear.reduce_hidden_grad
+
+    @staticmethod
+    def of(linear: LinearConfig, temperature: float, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
+           tp_group=None, vocab_start=None) -> "LinearPass":
+        """hidden: the `[N, H]` rows; weight: `[V, H]` (this rank's slice with tp_group)."""
+        # fused=True is the Triton tile kernels: 'auto' means them.
+        name = "triton" if linear.fused and backend == "auto" else backend
+        resolved = backends.resolve(name, hidden.device, hidden.dtype)
+        if linear.fused:
+            _check_fused(resolved, hidden.device)
+        chunk = linear.chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.device)
+        shard = VocabShard.of(tp_group, vocab_start, weight.shape[0])
+        return LinearPass(linear, 1.0 / temperature, resolved, chunk, shard)
+
+
+def _check_fused(resolved_backend: str, device: torch.device) -> None:
+    if resolved_backend != "triton":
+        raise ValueError(f"fused=True runs the Triton kernels; got backend {resolved_backend!r} (use 'auto' or "
+                         "'triton')")
+    if not backends.tiles_available(device):
+        raise ValueError(f"fused=True needs CUDA tensors, or Triton's interpreter for CPU tensors (TRITON_INTERPRET=1 "
+                         f"before gspo_kernels is imported); got {device}")

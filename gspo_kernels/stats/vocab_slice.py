@@ -1,0 +1,79 @@
+"""Stage 3 over a slice of the vocabulary: a tensor-parallel rank's slice, or one block of
+columns of the fused-linear vocab sweep on one process.
+
+The kernels know nothing of slices: they get local target ids, with column 0 standing in for
+the rows whose target lies outside the slice (a valid read, so no NaN), and then only those
+rows carry a one-hot term they must not have, at column 0. It is rewritten from the formula
+(an O(N) fix-up), so the gradient over the slice is exactly the slice of the whole one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.contract import LOG_FLOOR, GradInputs
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """Columns [start, start + size) of the vocabulary."""
+
+    start: int
+    size: int
+
+    def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel targets, owned): ids made local, and column 0 for the rows whose target is
+        outside the slice, so that the kernels neither read outside it nor flag the row NaN."""
+        local = targets - self.start
+        owned = (local >= 0) & (local < self.size)
+        return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+def shard_targets(shard, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """local_targets of a tensor-parallel rank's slice (a distributed.VocabShard)."""
+    return VocabSlice(shard.vocab_start, shard.local_vocab).local_targets(targets)
+
+
+def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:
+    """Rewrites column 0 of `grad` (a vocab slice's gradient, `[..., V_local]`) for the rows in
+    the loss whose target is outside the slice: there the kernel added the one-hot term g / T
+    at column 0, where the true gradient has only the softmax term.
+    first_logit: `[N]` the logits at column 0, read before an in-place kernel ran."""
+    foreign = ~owned
+    if inputs.row_mask is not None:
+        foreign = foreign & inputs.row_mask
+    inv_t = inputs.inv_temperature
+    dtype = inputs.lse.dtype
+    log_p = first_logit.to(dtype) * inv_t - inputs.lse
+    coef = inputs.grad_logp
+    if inputs.grad_entropy is not None:
+        coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
+    value = -torch.exp(log_p) * coef * inv_t
+    column = grad.select(-1, 0)
+    fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))
+    column.copy_(fixed.reshape(column.shape))
+
+
+def first_logit(logits: torch.Tensor) -> torch.Tensor:
+    """`[N]` copy of column 0 of `(B, T, V)` or `(N, V)` logits (any row strides)."""
+    return logits.select(-1, 0).reshape(-1).clone()
+
+
+def slice_logits_grad(backend, logits: torch.Tensor, inputs: GradInputs, owned: torch.Tensor | None,
+                      in_place: bool) -> torch.Tensor:
+    """Stage 3 over a vocab slice's logits: the backend's kernel, then column 0 rewritten for the
+    rows whose target lies outside the slice (owned: the rows whose target is in it; None: all).
+    in_place: the kernel may write over `logits`. Not when a fix-up follows under torch.compile:
+    inductor (torch 2.14) deferred the read of column 0 past the in-place kernel there and gave
+    wrong gradients, so the kernel writes a new buffer instead (one more buffer of the slice's
+    logits; gspo_loss's inplace=True with tp_group then leaves the saved logits intact)."""
+    column0 = None if owned is None else first_logit(logits)
+    if in_place and (owned is None or not torch.compiler.is_compiling()):
+        grad = backend.logits_grad_(logits, inputs)
+    else:
+        grad = backend.logits_grad(logits, inputs)
+    if owned is not None:
+        fix_foreign_rows(grad, column0, inputs, owned)
+    return grad

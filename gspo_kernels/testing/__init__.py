@@ -1,0 +1,4 @@
+"""What proves the kernels right, shared by the tests, `python -m gspo_kernels check`, the
+benchmarks and the examples: the float64 reference (reference.py), random problems with known
+clipping (problems.py), the comparison against the reference (verify.py), and a tiny offline
+model, tokenizer and trainer (tiny.py)."""

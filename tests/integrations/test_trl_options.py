@@ -1,0 +1,71 @@
+"""The TRL option mapping (integrations/trl/options.py) on plain values, without TRL installed:
+which GSPOConfig and normalizer each loss type gets, and which settings fall back."""
+
+import types
+
+import pytest
+import torch
+
+from gspo_kernels.integrations.trl.options import (SUPPORTED_LOSS_TYPES, StepCounts, TRLSettings, gspo_config,
+                                                   normalizer, scaled_logits, unsupported_setting)
+
+
+def test_clip_losses_map_onto_the_clip_objective():
+    for loss_type, agg in (("grpo", "seq-mean-token-mean"), ("bnpo", "token-mean"), ("dr_grpo", "token-mean"),
+                           ("dapo", "token-mean")):
+        cfg = gspo_config(TRLSettings(loss_type=loss_type, importance_sampling_level="sequence", epsilon_low=3e-4,
+                                      epsilon_high=4e-4, delta=1.5, beta=0.04, temperature=0.7))
+        assert (cfg.objective, cfg.loss_agg, cfg.level) == ("clip", agg, "sequence")
+        assert (cfg.eps_low, cfg.eps_high, cfg.delta, cfg.beta, cfg.temperature) == (3e-4, 4e-4, 1.5, 0.04, 0.7)
+        assert cfg.log_ratio_clamp == (None, None) and cfg.kl_estimator == "k3"
+
+
+def test_cispo_and_sapo():
+    cispo = gspo_config(TRLSettings(loss_type="cispo", epsilon_high=5.0))
+    assert cispo.objective == "cispo" and cispo.eps_high == 4.0 and 1.0 - cispo.eps_low < 1e-8
+    sapo = gspo_config(TRLSettings(loss_type="sapo", sapo_temperature_pos=0.9, sapo_temperature_neg=1.2))
+    assert (sapo.objective, sapo.sapo_tau_pos, sapo.sapo_tau_neg, sapo.loss_agg) == (
+        "sapo", 0.9, 1.2, "seq-mean-token-mean")
+
+
+def test_vllm_correction_maps_onto_rollout_correction():
+    cfg = gspo_config(TRLSettings(vllm_correction=True, vllm_mode="token_truncate", vllm_clip_min=0.5,
+                                  vllm_clip_max=3.0))
+    assert (cfg.rollout_correction, cfg.rollout_sequence_weight, cfg.rollout_is_min, cfg.rollout_is_max) == (
+        "token-truncate", "product", 0.5, 3.0)
+    assert gspo_config(TRLSettings()).rollout_correction is None
+
+
+def test_unsupported_settings_are_named():
+    assert unsupported_setting(TRLSettings()) is None
+    assert "loss_type='luspo'" in unsupported_setting(TRLSettings(loss_type="luspo"))
+    assert "importance_sampling_level" in unsupported_setting(TRLSettings(importance_sampling_level="sequence_token"))
+    assert "vllm_importance_sampling_mode" in unsupported_setting(TRLSettings(vllm_correction=True, vllm_mode="odd"))
+    assert unsupported_setting(TRLSettings(vllm_correction=False, vllm_mode="odd")) is None
+    assert set(SUPPORTED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"}
+    with pytest.raises(ValueError, match="eps_low"):  # the trainer turns this into a warned fallback
+        gspo_config(TRLSettings(epsilon_low=1.5))
+
+
+def test_normalizers():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    train = StepCounts(training=True, accumulation_steps=2, num_processes=2, steps_per_generation=4,
+                       num_items_in_batch=torch.tensor(24.0))
+    evaluation = StepCounts(training=False, accumulation_steps=2, num_processes=2, steps_per_generation=4,
+                            num_items_in_batch=torch.tensor(24.0))
+    assert normalizer(TRLSettings(loss_type="grpo"), train, mask) == 8.0  # every row, times the accumulation
+    assert normalizer(TRLSettings(loss_type="grpo"), evaluation, mask) == 4.0
+    assert float(normalizer(TRLSettings(loss_type="bnpo"), train, mask)) == 12.0
+    assert normalizer(TRLSettings(loss_type="dr_grpo", max_completion_length=5), train, mask) == 40.0
+    # dapo: the generation batch's tokens per process, times accumulation / steps_per_generation
+    assert float(normalizer(TRLSettings(loss_type="dapo"), train, mask)) == 24.0 / 2 * 2 / 4
+    assert float(normalizer(TRLSettings(loss_type="cispo"), evaluation, mask)) == 12.0
+
+
+def test_scaled_logits():
+    plain = types.SimpleNamespace(final_logit_softcapping=None, logit_scale=1.0)
+    assert scaled_logits(plain) is None
+    assert scaled_logits(types.SimpleNamespace(final_logit_softcapping=30.0)) == "final_logit_softcapping"
+    assert scaled_logits(types.SimpleNamespace(logits_scaling=0.5)) == "logits_scaling"
+    nested = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(output_multiplier=2.0))
+    assert scaled_logits(nested) == "output_multiplier"
