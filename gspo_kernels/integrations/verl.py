@@ -26,7 +26,7 @@ fused_linear_selective_log_softmax on the hidden states and the lm_head weight, 
 verl's CausalLMOutputForPPO (log_probs, entropy). A model verl patches with its own forward
 (the vision-language ones) keeps verl's torch backend, with a warning.
 
-Tested against verl 0.9.1 (`tests/test_integration_verl.py`); in 0.9.0 verl's gspo forced
+Tested against verl 0.9.1 (`tests/integrations/test_integration_verl.py`); in 0.9.0 verl's gspo forced
 seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 """
 

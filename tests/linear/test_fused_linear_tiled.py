@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(triton_backend is None or not (triton_backend.IN
                                 reason="needs Triton (CUDA, or its interpreter on a CPU)")
 DEVICE = device_for("triton") if triton_backend is not None else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-EPS = 2.0 ** -20  # the filtering threshold the README discusses (filtering is off by default)
+EPS = 2.0 ** -20  # the filtering threshold docs/fused_linear.md discusses ("Gradient filtering"; off by default)
 # Options rotated through the grid: temperature, KL, entropy bonus. vocab 37 and hidden 20 are
 # not multiples of the interpreter's 32-wide vocab tiles or 16-wide hidden tiles.
 OPTIONS = [{}, {"temperature": 0.7}, {"beta": 0.05}, {"entropy_coef": 0.02, "temperature": 1.3}]

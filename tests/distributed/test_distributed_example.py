@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed_train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "distributed_train.py"
 
 
 def _run(split: str) -> str:

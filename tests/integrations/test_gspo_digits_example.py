@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gspo_digits.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gspo_digits.py"
 
 
 def test_reward_rises_and_curve_is_written(tmp_path):
