@@ -10,9 +10,8 @@ PYTHON="${PYTHON:-python3}"
 # torch first, from this spec; the extension then builds against it (no build isolation).
 TORCH_SPEC="${GSPO_TORCH_SPEC:-torch==2.14.1}"
 # verl's own requirements are a cluster's (vllm, ...) and pin an older transformers: it goes in
-# alone, plus what the modules gspo_kernels.integrations.verl imports need.
+# alone; what its modules and ours import comes with the [verl] extra (pyproject.toml).
 VERL_SPEC="verl==0.9.1"
-VERL_IMPORTS="ray==2.60.0 tensordict==0.15.3 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0"
 
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
@@ -29,7 +28,7 @@ PY="$VENV/bin/python"
 stamp_inputs() {
     {
         cat "$ROOT/pyproject.toml" "$ROOT/setup.py"
-        echo "$TORCH_SPEC $VERL_SPEC $VERL_IMPORTS"
+        echo "$TORCH_SPEC $VERL_SPEC"
         if [ -d "$ROOT/csrc" ]; then
             find "$ROOT/csrc" -type f | LC_ALL=C sort | xargs cat
         fi
@@ -43,10 +42,8 @@ else
     echo "[setup] installing $TORCH_SPEC" >&2
     "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
     echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes), then the trainers" >&2
-    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,integrations]"
+    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,trl,verl]"
     "$PY" -m pip install -q --disable-pip-version-check --no-deps "$VERL_SPEC"
-    # shellcheck disable=SC2086  # a list of specs
-    "$PY" -m pip install -q --disable-pip-version-check $VERL_IMPORTS
     echo "$WANT" > "$STAMP"
 fi
 echo "$PY"

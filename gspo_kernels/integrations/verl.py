@@ -26,6 +26,8 @@ fused_linear_selective_log_softmax on the hidden states and the lm_head weight, 
 verl's CausalLMOutputForPPO (log_probs, entropy). A model verl patches with its own forward
 (the vision-language ones) keeps verl's torch backend, with a warning.
 
+Importing it also mends verl 0.9.1's actor build next to trl >= 1.0 (`_trl_value_head_available`).
+
 Tested against verl 0.9.1 (`tests/integrations/test_integration_verl.py`); in 0.9.0 verl's gspo forced
 seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 """
@@ -33,6 +35,7 @@ seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 
 import torch
@@ -41,8 +44,8 @@ from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_
 from verl.trainer.ppo.core_algos import get_policy_loss_fn, register_policy_loss
 
 from ..config import GSPOConfig
-from ..linear import fused_linear_selective_log_softmax
 from ..policy_loss import policy_loss
+from .head import head_token_stats
 
 BACKEND = "gspo_kernels"
 # verl's own fused forwards for these model types: not plain text models.
@@ -164,16 +167,34 @@ def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, positio
         targets = torch.roll(input_ids, shifts=-1, dims=-1)
     else:
         raise RuntimeError("forward_with_gspo_kernels needs labels, shift_labels or input_ids")
+    # Through the head's own call: under FSDP2 verl wraps an untied lm_head as its own unit.
     hidden = outputs[0]
-    head = self.lm_head
-    log_probs, entropy = fused_linear_selective_log_softmax(hidden, head.weight.to(hidden.dtype), targets,
-                                                            bias=None if head.bias is None else head.bias.to(hidden.dtype),
-                                                            temperature=temperature, return_entropy=True)
+    log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype)
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 _verl_patch = monkey_patch.patch_forward_with_backends
+_verl_is_trl_available = monkey_patch.is_trl_available
+
+
+def _trl_value_head_available() -> bool:
+    """verl's is_trl_available, as apply_monkey_patch uses it: to patch the state_dict of TRL's
+    AutoModelForCausalLMWithValueHead. trl >= 1.0 has no such class (neither at the top level
+    nor in trl.experimental.ppo), so verl 0.9.1 raised ImportError on every actor build when
+    trl was installed; with no class there is nothing to patch, and the build goes on."""
+    if not _verl_is_trl_available():
+        return False
+    import trl
+
+    if hasattr(trl, "AutoModelForCausalLMWithValueHead"):
+        return True
+    with warnings.catch_warnings():  # trl warns on any import from trl.experimental
+        warnings.simplefilter("ignore")
+        try:
+            return importlib.util.find_spec("trl.experimental.ppo") is not None
+        except ImportError:
+            return False
 
 
 @functools.wraps(_verl_patch)
@@ -188,3 +209,4 @@ def _patch_forward_with_backends(model, use_fused_kernels: bool = False, fused_k
 
 
 monkey_patch.patch_forward_with_backends = _patch_forward_with_backends
+monkey_patch.is_trl_available = _trl_value_head_available

@@ -21,8 +21,9 @@ def tiny_tokenizer(words: list[str] | None = None):
                                                 unk_token="<unk>", bos_token="<bos>")
 
 
-def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, words: int = 60):
-    """A random Llama; `words` is how many plain words the tokenizer has before its specials."""
+def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, words: int = 60, tied: bool = False):
+    """A random Llama; `words` is how many plain words the tokenizer has before its specials;
+    tied: the lm_head shares the input embedding's weight."""
     import torch
     import transformers
 
@@ -31,7 +32,7 @@ def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                                       max_position_embeddings=1024, pad_token_id=pad, eos_token_id=eos,
-                                      bos_token_id=bos, tie_word_embeddings=False)
+                                      bos_token_id=bos, tie_word_embeddings=tied)
     return transformers.LlamaForCausalLM(config)
 
 

@@ -173,3 +173,23 @@ def test_other_backends_stay_verls():
         assert type(model).forward is not gk_verl.forward_with_gspo_kernels
     finally:
         type(model).forward = original
+
+
+def test_fused_forward_refuses_a_lora_head():
+    peft = pytest.importorskip("peft")
+    from verl.models.transformers import monkey_patch
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], lora_dropout=0.0)
+    model = peft.get_peft_model(tiny_llama(vocab=64), config).base_model.model
+    original = type(model).forward
+    try:
+        monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
+        with pytest.raises(ValueError, match="lm_head.*target_modules"):
+            model(input_ids=torch.randint(0, 60, (2, 5)), return_dict=True)
+        # An adapter elsewhere is fine: the head is a plain Linear there.
+        plain = peft.get_peft_model(tiny_llama(vocab=64), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          lora_dropout=0.0)).base_model.model
+        out = plain(input_ids=torch.randint(0, 60, (2, 5)), return_dict=True)
+        assert out.log_probs.shape == (2, 5)
+    finally:
+        type(model).forward = original

@@ -20,6 +20,14 @@ def test_clip_losses_map_onto_the_clip_objective():
         assert cfg.log_ratio_clamp == (None, None) and cfg.kl_estimator == "k3"
 
 
+def test_luspo_sums_each_row_and_averages_the_rows():
+    cfg = gspo_config(TRLSettings(loss_type="luspo", importance_sampling_level="sequence", delta=2.0))
+    assert (cfg.objective, cfg.loss_agg, cfg.level, cfg.delta) == ("clip", "seq-mean-token-sum", "sequence", 2.0)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    counts = StepCounts(training=True, accumulation_steps=3, num_processes=1, steps_per_generation=1)
+    assert normalizer(TRLSettings(loss_type="luspo"), counts, mask) == 12.0
+
+
 def test_cispo_and_sapo():
     cispo = gspo_config(TRLSettings(loss_type="cispo", epsilon_high=5.0))
     assert cispo.objective == "cispo" and cispo.eps_high == 4.0 and 1.0 - cispo.eps_low < 1e-8
@@ -38,11 +46,12 @@ def test_vllm_correction_maps_onto_rollout_correction():
 
 def test_unsupported_settings_are_named():
     assert unsupported_setting(TRLSettings()) is None
-    assert "loss_type='luspo'" in unsupported_setting(TRLSettings(loss_type="luspo"))
+    assert "loss_type='made_up'" in unsupported_setting(TRLSettings(loss_type="made_up"))
     assert "importance_sampling_level" in unsupported_setting(TRLSettings(importance_sampling_level="sequence_token"))
     assert "vllm_importance_sampling_mode" in unsupported_setting(TRLSettings(vllm_correction=True, vllm_mode="odd"))
     assert unsupported_setting(TRLSettings(vllm_correction=False, vllm_mode="odd")) is None
-    assert set(SUPPORTED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"}
+    assert set(SUPPORTED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"}
+    assert "loss_type='vespo'" in unsupported_setting(TRLSettings(loss_type="vespo"))
     with pytest.raises(ValueError, match="eps_low"):  # the trainer turns this into a warned fallback
         gspo_config(TRLSettings(epsilon_low=1.5))
 

@@ -11,7 +11,7 @@ import torch
 
 from ...config import GSPOConfig
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 # Inputs of vision-language models: the fused path feeds text models only.
 MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -99,7 +99,9 @@ def gspo_config(settings: TRLSettings) -> GSPOConfig:
                        sapo_tau_neg=settings.sapo_temperature_neg)
     else:
         options.update(objective="clip", delta=settings.delta)
-    options["loss_agg"] = "seq-mean-token-mean" if settings.loss_type in ("grpo", "sapo") else "token-mean"
+    # luspo (GSPO's length-unbiased form): each row's token sum, averaged over the rows.
+    options["loss_agg"] = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean",
+                           "luspo": "seq-mean-token-sum"}.get(settings.loss_type, "token-mean")
     if settings.vllm_correction:
         # TRL's weights: exp(old - sampler) per token, or exp of the sum per sequence (a product),
         # truncated into or masked outside [clip_min, clip_max].
@@ -124,7 +126,7 @@ def normalizer(settings: TRLSettings, counts: StepCounts, mask: torch.Tensor) ->
     mean divides by every row of the batch, empty completions included."""
     accumulation = counts.accumulation_steps if counts.training else 1
     rows = mask.size(0)
-    if settings.loss_type in ("grpo", "sapo"):
+    if settings.loss_type in ("grpo", "sapo", "luspo"):
         return float(rows * accumulation)
     if settings.loss_type == "bnpo":
         return mask.sum().clamp(min=1.0).float() * accumulation

@@ -24,8 +24,8 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from accelerate.utils import is_peft_model
 
 from ...config import GSPOConfig
-from ...linear import fused_linear_selective_log_softmax
 from ...policy_loss import policy_loss
+from ..head import head_token_stats
 from . import options
 from .metrics import log_trl_metrics
 from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
@@ -46,8 +46,8 @@ def _install_stats_forward(model) -> None:
     returns the completion's (log-probs, entropies) from fused_linear_selective_log_softmax.
 
     It is called through the model as the trainer holds it (DDP, FSDP, accelerate wrappers),
-    so their forward hooks and gradient synchronisation run as for any forward. The lm_head is
-    read inside that forward, as TRL's own fused head reads it."""
+    so their forward hooks and gradient synchronisation run as for any forward; the lm_head is
+    called inside it (head.py), so its own wrapper's hooks run too."""
     previous = model.forward
 
     def forward(self, *args, gspo_stats: _StatsRequest | None = None, **kwargs):
@@ -57,19 +57,11 @@ def _install_stats_forward(model) -> None:
         hidden = self.base_model(*args, **kwargs).last_hidden_state
         completion = gspo_stats.targets.shape[1]
         hidden = hidden[:, -completion - 1:-1]  # the positions that predict the completion
-        head = self.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: the whole head, as TRL's fused head does
-            weight = weight.full_tensor()
-            bias = None if bias is None else bias.full_tensor()
-        if gspo_stats.head_in_fp32:
-            weight = weight.float()
-            bias = None if bias is None else bias.float()
-        # The head's products are formed by our kernels (float32 results), not by autocast.
-        with torch.autocast(hidden.device.type, enabled=False):
-            return fused_linear_selective_log_softmax(
-                hidden.to(weight.dtype), weight, gspo_stats.targets, bias=bias, temperature=gspo_stats.temperature,
-                return_entropy=True, mask=gspo_stats.mask)
+        # Through the head's own call, so that a sharded head is unsharded (FSDP2) or gathered
+        # (ZeRO-3) for it, as for its forward.
+        return head_token_stats(self.get_output_embeddings(), hidden, gspo_stats.targets,
+                                temperature=gspo_stats.temperature, mask=gspo_stats.mask,
+                                dtype=torch.float32 if gspo_stats.head_in_fp32 else None)
 
     model.forward = types.MethodType(forward, model)
 

@@ -1,0 +1,61 @@
+"""The lm_head read the way a sharded model expects: through the head module's own call.
+
+A trainer's fused forward needs the lm_head's weight, not its output. Read as
+`model.lm_head.weight` outside the head's forward, a sharded head is only a shard: under FSDP2
+a DTensor (verl wraps an untied lm_head as its own unit, so no enclosing forward has unsharded
+it), under DeepSpeed ZeRO-3 an empty partition. Running the token stats as the head module's
+forward instead lets the hooks the wrapper put on it do their work: FSDP2 unshards the weight
+for the call, reshards it after, unshards it again for backward and reduce-scatters its
+gradient into the shard; ZeRO-3 gathers the partition for the call and routes the gradient to
+it. No full-weight gradient buffer outlives the one unsharded step, as for the head's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..linear import fused_linear_selective_log_softmax
+
+
+def _call_as_forward(module: torch.nn.Module, fn, *args):
+    """fn(*args) as `module`'s forward for one call, its hooks included."""
+    had_own = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        if had_own:
+            module.forward = previous
+        else:
+            del module.forward
+
+
+def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                     mask: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """(log-probs, entropies) of `targets` under softmax(head(hidden) / temperature), from
+    fused_linear_selective_log_softmax on the head's weight and bias as its own forward sees
+    them. dtype: what hidden, weight and bias are cast to (float32 for TRL's
+    cast_lm_head_to_fp32; verl's fused forwards use the hidden states'); None: the weight's.
+    The head's products are formed by the kernels (float32 results), not by autocast.
+
+    A PEFT adapter on the head itself is refused: its delta never enters `head.weight`, so it
+    would be ignored and never trained (TRL refuses it on its fused head for the same reason)."""
+    if hasattr(head, "base_layer") and hasattr(head, "active_adapters"):
+        raise ValueError("the lm_head carries a PEFT adapter ('lm_head' is in the adapter's target_modules): the "
+                         "fused forward reads the head's weight, so the adapter would never be trained; remove "
+                         "'lm_head' from target_modules, or turn the fused kernels off")
+
+    def stats(hidden):
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # a DTensor no enclosing unit unsharded (FSDP2 without a unit here)
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        if dtype is not None:
+            weight = weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return fused_linear_selective_log_softmax(hidden.to(weight.dtype), weight, targets, bias=bias,
+                                                      temperature=temperature, return_entropy=True, mask=mask)
+
+    return _call_as_forward(head, stats, hidden)

@@ -1,0 +1,133 @@
+"""The TRL drop-in under FSDP2 on 2 gloo processes, with a different batch on each rank:
+fully_shard applied by hand as a CPU run needs it (accelerate turns fsdp_version=2 into DDP on a
+CPU), to each decoder layer and the root, and in one set-up also to an untied lm_head and its
+embedding as units of their own (as verl shards them). Every parameter's gradient, gathered
+from the shards, must be the mean of the ranks' own gradients on the unsharded model (what
+FSDP2's averaging gives), the loss must equal TRL's own, and no fallback may be warned.
+
+TRL's own trainer is compared too. Where the lm_head is its own unit, TRL 1.16's fused head reads
+`lm_head.weight.full_tensor()` outside the head's forward: FSDP2 never reduces that gradient, so
+each rank keeps its own lm_head gradient rows (measured: 0.333 relative error against the mean
+here); the drop-in calls the head module (integrations/head.py) and gets the mean."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+WORLD = 2
+CASES = {"sequence-grpo": dict(level="sequence", loss_type="grpo", beta=0.04),
+         "token-dapo-entropy": dict(level="token", loss_type="dapo", beta=0.0, entropy_coef=0.01)}
+
+
+SETUPS = {"tied": dict(tied=True, head_unit=False), "untied": dict(tied=False, head_unit=False),
+          "untied-head-unit": dict(tied=False, head_unit=True)}
+
+
+def _shard(model, head_unit: bool, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if head_unit:
+        fully_shard(model.model.embed_tokens, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _full_grads(model) -> dict:
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
+            for name, p in model.named_parameters()}
+
+
+def _relative(a: dict, b: dict) -> dict:
+    return {n: float((a[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in b.items()}
+
+
+def _worker(rank: int, port: int, out: str, setup: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.dirname(__file__))
+    import test_integration_trl as T
+    import trl
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gspo_kernels.integrations.trl import GRPOTrainer
+    from gspo_kernels.testing.tiny import tiny_grpo_trainer, tiny_llama
+
+    base = tiny_llama(tied=SETUPS[setup]["tied"])
+    results = {}
+    for label, case in CASES.items():
+        def trainer(cls):
+            t = tiny_grpo_trainer(cls, copy.deepcopy(base), tempfile.mkdtemp(), max_completion_length=T.COMPLETION)
+            T._configure(t, case)
+            return t
+
+        ours, theirs, plain = trainer(GRPOTrainer), trainer(trl.GRPOTrainer), trainer(trl.GRPOTrainer)
+        assert dist.is_initialized() and dist.get_world_size() == WORLD
+        batch = T._batch(theirs)
+        batch["advantages"] = batch["advantages"] * (1 + rank)  # a different batch on each rank
+        del batch["sampling_per_token_logps"]
+        plain._compute_loss(plain.model, batch).backward()  # this rank's own gradients, unsharded
+        own = _full_grads(plain.model)
+        mean = {n: g.clone() for n, g in own.items()}
+        for g in mean.values():
+            dist.all_reduce(g)
+            g /= WORLD
+        mesh = init_device_mesh("cpu", (WORLD,))
+        losses, grads = {}, {}
+        for name, t in (("ours", ours), ("theirs", theirs)):
+            _shard(t.model, SETUPS[setup]["head_unit"], mesh)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = t._compute_loss(t.model, batch)
+            fallbacks = [str(w.message) for w in caught if "gspo_kernels:" in str(w.message)]
+            assert not fallbacks, fallbacks
+            loss.backward()
+            losses[name], grads[name] = float(loss), _full_grads(t.model)
+        ours_error, theirs_error = _relative(grads["ours"], mean), _relative(grads["theirs"], mean)
+        results[label] = {"loss": abs(losses["ours"] - losses["theirs"]) / abs(losses["theirs"]),
+                          "ours": ours_error, "theirs": theirs_error,
+                          "spread": max(_relative(own, mean).values()),
+                          "head_is_unit": type(ours.model.lm_head).__name__.startswith("FSDP")}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_drop_in_under_fsdp2(setup, tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result.json")
+    mp.spawn(_worker, args=(port, out, setup), nprocs=WORLD, join=True)
+    with open(out) as f:
+        results = json.load(f)
+    assert set(results) == set(CASES)
+    for label, r in results.items():
+        assert r["head_is_unit"] == SETUPS[setup]["head_unit"], label
+        assert len(r["ours"]) == (20 if SETUPS[setup]["tied"] else 21), label
+        assert r["spread"] > 0.05, "the ranks' own gradients should differ"
+        assert r["loss"] < 1e-5, (label, r["loss"])
+        worst = {n: e for n, e in r["ours"].items() if e > 1e-4}
+        assert not worst, (label, worst)
+        if not SETUPS[setup]["head_unit"]:  # TRL's own trainer is right here, and so the same as ours
+            assert max(r["theirs"].values()) < 1e-4, (label, r["theirs"])
