@@ -1,7 +1,8 @@
 """The TRL drop-in under FSDP2 on 2 gloo processes, with a different batch on each rank:
 fully_shard applied by hand as a CPU run needs it (accelerate turns fsdp_version=2 into DDP on a
-CPU), to each decoder layer and the root, and in one set-up also to an untied lm_head and its
-embedding as units of their own (as verl shards them). Every parameter's gradient, gathered
+CPU), to each decoder layer and the root, in one set-up also to an untied lm_head and its
+embedding as units of their own (as verl shards them), and in one to a PEFT LoRA model (r 8 on
+every projection, frozen head). Every parameter's gradient, gathered
 from the shards, must be the mean of the ranks' own gradients on the unsharded model (what
 FSDP2's averaging gives), the loss must equal TRL's own, and no fallback may be warned.
 
@@ -32,15 +33,18 @@ CASES = {"sequence-grpo": dict(level="sequence", loss_type="grpo", beta=0.04),
          "token-dapo-entropy": dict(level="token", loss_type="dapo", beta=0.0, entropy_coef=0.01)}
 
 
-SETUPS = {"tied": dict(tied=True, head_unit=False), "untied": dict(tied=False, head_unit=False),
-          "untied-head-unit": dict(tied=False, head_unit=True)}
+SETUPS = {"tied": dict(tied=True, head_unit=False, lora=False), "untied": dict(tied=False, head_unit=False, lora=False),
+          "untied-head-unit": dict(tied=False, head_unit=True, lora=False),
+          "lora": dict(tied=False, head_unit=False, lora=True)}
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _shard(model, head_unit: bool, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+    for module in model.modules():  # the decoder layers, inside a PEFT wrapper too
+        if type(module).__name__ == "LlamaDecoderLayer":
+            fully_shard(module, mesh=mesh)
     if head_unit:
         fully_shard(model.model.embed_tokens, mesh=mesh)
         fully_shard(model.lm_head, mesh=mesh)
@@ -49,7 +53,7 @@ def _shard(model, head_unit: bool, mesh) -> None:
 
 def _full_grads(model) -> dict:
     return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
-            for name, p in model.named_parameters()}
+            for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _relative(a: dict, b: dict) -> dict:
@@ -69,6 +73,12 @@ def _worker(rank: int, port: int, out: str, setup: str) -> None:
     from gspo_kernels.testing.tiny import tiny_grpo_trainer, tiny_llama
 
     base = tiny_llama(tied=SETUPS[setup]["tied"])
+    if SETUPS[setup]["lora"]:
+        import peft
+
+        # init_lora_weights=False: B is random too, so that every adapter weight gets a gradient.
+        base = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS,
+                                                         lora_dropout=0.0, init_lora_weights=False))
     results = {}
     for label, case in CASES.items():
         def trainer(cls):
@@ -102,7 +112,7 @@ def _worker(rank: int, port: int, out: str, setup: str) -> None:
         results[label] = {"loss": abs(losses["ours"] - losses["theirs"]) / abs(losses["theirs"]),
                           "ours": ours_error, "theirs": theirs_error,
                           "spread": max(_relative(own, mean).values()),
-                          "head_is_unit": type(ours.model.lm_head).__name__.startswith("FSDP")}
+                          "head_is_unit": type(ours.model.get_output_embeddings()).__name__.startswith("FSDP")}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -114,6 +124,9 @@ def _worker(rank: int, port: int, out: str, setup: str) -> None:
 def test_drop_in_under_fsdp2(setup, tmp_path):
     import torch.multiprocessing as mp
 
+    if SETUPS[setup]["lora"]:
+        pytest.importorskip("peft")
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -124,7 +137,8 @@ def test_drop_in_under_fsdp2(setup, tmp_path):
     assert set(results) == set(CASES)
     for label, r in results.items():
         assert r["head_is_unit"] == SETUPS[setup]["head_unit"], label
-        assert len(r["ours"]) == (20 if SETUPS[setup]["tied"] else 21), label
+        expected = 2 * len(PROJECTIONS) * 2 if SETUPS[setup]["lora"] else 20 if SETUPS[setup]["tied"] else 21
+        assert len(r["ours"]) == expected, (label, sorted(r["ours"])[:4])
         assert r["spread"] > 0.05, "the ranks' own gradients should differ"
         assert r["loss"] < 1e-5, (label, r["loss"])
         worst = {n: e for n, e in r["ours"].items() if e > 1e-4}
