@@ -12,18 +12,22 @@ from dataclasses import dataclass, fields
 
 LEVELS = ("sequence", "sequence_token", "token")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
-OBJECTIVES = ("clip", "cispo", "sapo", "gmpo")
+OBJECTIVES = ("clip", "cispo", "sapo", "gmpo", "vespo")
 ROLLOUT_CORRECTIONS = (None, "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
 ROLLOUT_SEQUENCE_WEIGHTS = ("geometric-mean", "product")
 # Levels each objective is defined at. CISPO's ratio is a detached weight, so "sequence_token"
 # (value s_i, gradient through each token) would be "sequence" again; GMPO is a geometric mean
-# over the sequence by definition.
+# over the sequence by definition; VESPO's weight is a function of the sequence's product ratio.
 OBJECTIVE_LEVELS = {
     "clip": LEVELS,
     "sapo": LEVELS,
     "cispo": ("sequence", "token"),
     "gmpo": ("sequence",),
+    "vespo": ("sequence",),
 }
+# VESPO's gamma weight phi(w) = exp(lambda + k log w - lambda w), (k, lambda) by the sign of A:
+# TRL's defaults.
+VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 BACKENDS = ("auto", "triton", "torch", "cpu", "cuda")
 # Gradient filtering (LinearConfig.fused) is off unless asked for: what it drops is bounded
@@ -94,6 +98,10 @@ class GSPOConfig:
     clip_ratio_c: float | None = None  # dual clip (verl): loss <= -A * c for A < 0
     sapo_tau_pos: float = 1.0  # SAPO gate temperatures (TRL's defaults)
     sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0  # VESPO's gamma weight (objective="vespo"), TRL's defaults
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     rollout_correction: str | None = None  # how rollout_logprobs correct the policy term
     rollout_is_min: float | None = None
     rollout_is_max: float | None = 2.0  # verl's default threshold (TRL's: 3.0)
@@ -137,7 +145,7 @@ class GSPOConfig:
         for name in ("delta", "clip_ratio_c", "rollout_is_min", "rollout_is_max", "off_policy_mask_threshold",
                      "kl_clamp"):
             object.__setattr__(self, name, _optional_real(name, getattr(self, name)))
-        for name in ("sapo_tau_pos", "sapo_tau_neg", "top_entropy_quantile"):
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "top_entropy_quantile", *VESPO_DEFAULTS):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
         if (self.delta is not None or self.clip_ratio_c is not None) and self.objective != "clip":
             raise ValueError("delta and clip_ratio_c shape the clipped objective; they need objective='clip'")
@@ -158,6 +166,10 @@ class GSPOConfig:
             raise ValueError("rollout_is_min bounds the rollout_correction weights; set rollout_correction")
         if self.objective != "sapo" and (self.sapo_tau_pos, self.sapo_tau_neg) != (1.0, 1.05):
             raise ValueError("sapo_tau_pos and sapo_tau_neg shape objective='sapo' only")
+        if self.objective != "vespo" and any(getattr(self, n) != v for n, v in VESPO_DEFAULTS.items()):
+            raise ValueError("vespo_k_pos, vespo_lambda_pos, vespo_k_neg and vespo_lambda_neg shape objective='vespo' only")
+        if self.vespo_lambda_pos <= 0 or self.vespo_lambda_neg <= 0:
+            raise ValueError("vespo_lambda_pos and vespo_lambda_neg must be > 0")
         if (low is not None and low < 0) or (high is not None and high <= 0) or (
                 low is not None and high is not None and low >= high):
             raise ValueError(f"need 0 <= rollout_is_min < rollout_is_max; got {low}, {high}")

@@ -8,6 +8,7 @@ docs/semantics.md, "Objectives and corrections".
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,33 @@ def _gmpo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
     return PolicyTerm(term, clipped & (x.adv < 0), clipped & (x.adv > 0))
 
 
-OBJECTIVES = {"clip": _clip, "cispo": _cispo, "sapo": _sapo, "gmpo": _gmpo}
+# VESPO's bounds on log w (TRL's: log 1e-8 below, 20 above).
+VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
+
+
+def vespo_phi(log_w, adv, k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float):
+    """VESPO's gamma weight phi(w) = exp(lambda + k log w - lambda w) (so phi(1) = 1), with
+    (k, lambda) = (k_pos, lambda_pos) where A >= 0, else the _neg pair; log w clamped to
+    [log 1e-8, 20]; 0 where it is not finite. Shared with the TRL drop-in's metric."""
+    log_w = log_w.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+    """VESPO (TRL's vespo): -sg[phi(w)] A logp, w = exp(sum_t log-ratio) the sequence's product
+    ratio (each token's log-ratio clamped to [-20, 20]) and phi the gamma weight of vespo_phi: a
+    soft, asymmetric trust region in place of the clip. Never clips."""
+    seg = x.segments
+    log_w = seg.per_row(seg.seq_sum(x.log_ratio.detach().clamp(-20.0, 20.0)))
+    phi = vespo_phi(log_w, x.adv, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+    never = torch.zeros_like(x.mask)
+    return PolicyTerm(-phi * x.adv * x.logp, never, never)
+
+
+OBJECTIVES = {"clip": _clip, "cispo": _cispo, "sapo": _sapo, "gmpo": _gmpo, "vespo": _vespo}
 
 
 def policy_term(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:

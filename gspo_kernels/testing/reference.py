@@ -8,6 +8,8 @@ memory-hungry on purpose; use it on small problems.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import GSPOConfig
@@ -74,6 +76,14 @@ def _policy_terms(cfg, lp, log_ratio, ratio, a):
         tau = torch.tensor([cfg.sapo_tau_pos if x > 0 else cfg.sapo_tau_neg for x in a.tolist()], dtype=a.dtype)
         no = torch.zeros(len(a), dtype=torch.bool)
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a, no, no
+    if cfg.objective == "vespo":  # the gamma weight of the sequence's product ratio, detached
+        log_w = log_ratio.detach().clamp(-20, 20).sum().clamp(math.log(1e-8), 20)
+        k = torch.tensor([cfg.vespo_k_pos if x >= 0 else cfg.vespo_k_neg for x in a.tolist()], dtype=a.dtype)
+        lam = torch.tensor([cfg.vespo_lambda_pos if x >= 0 else cfg.vespo_lambda_neg for x in a.tolist()],
+                           dtype=a.dtype)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        no = torch.zeros(len(a), dtype=torch.bool)
+        return -phi * a * lp, no, no
     # gmpo: per-token log-ratios clipped on the pessimistic side of sign(A), geometric mean.
     clipped_lr = log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
     sign = torch.sign(a)

@@ -7,7 +7,7 @@ to the same tolerances.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,12 +32,16 @@ class Tolerance:
     counts: float = 1e-6
 
     @staticmethod
-    def for_dtype(dtype: torch.dtype) -> "Tolerance":
+    def for_dtype(dtype: torch.dtype, objective: str = "clip") -> "Tolerance":
         # The loss and statistics are accumulated in fp32 whatever the logits' dtype; only the
         # gradient is rounded once to a 16-bit output (unit roundoff 2**-8 for bf16).
-        if dtype in (torch.bfloat16, torch.float16):
-            return Tolerance(grad=1e-2)
-        return Tolerance()
+        tol = Tolerance(grad=1e-2) if dtype in (torch.bfloat16, torch.float16) else Tolerance()
+        if objective == "vespo":
+            # VESPO's weight is a function of the sequence's summed (not averaged) log-ratio: the
+            # float32 log-probs' rounding (~1e-6 each) adds up over the tokens and moves the weight,
+            # hence each term, by up to ~1e-5 relative (6e-5 seen on the loss in a 9-token grid case).
+            tol = replace(tol, loss=1e-4, grad=max(tol.grad, 1e-4))
+        return tol
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-12) -> float:
@@ -89,7 +93,7 @@ def run_case(problem: Problem, backend: str, **options) -> CaseResult:
     ref_loss, ref_metrics = reference.gspo_loss(*ref_args, **ref_kwargs, **options)
     ref_loss.backward()
 
-    tol = Tolerance.for_dtype(problem.logits_base.dtype)
+    tol = Tolerance.for_dtype(problem.logits_base.dtype, options.get("objective", "clip"))
     errors = {
         # The loss is a signed mean of terms of size |A| ~ 1, each through an exp of fp32
         # log-probs (ulp ~1e-6 at logp ~ -10): it is known to ~1e-7 absolute, and a loss that

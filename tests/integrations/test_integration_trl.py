@@ -176,6 +176,9 @@ EXTRAS = [
     dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01),
     dict(level="token", loss_type="dapo", beta=0.04, entropy_coef=0.02, top_entropy_quantile=0.5),
     dict(level="sequence", loss_type="bnpo", beta=0.0, entropy_coef=-0.01),
+    dict(level="token", loss_type="vespo", beta=0.0),
+    dict(level="token", loss_type="vespo", beta=0.04, entropy_coef=0.01),
+    dict(level="token", loss_type="vespo", beta=0.0, eval=True, off_policy_mask_threshold=0.001),
 ]
 
 
@@ -196,7 +199,7 @@ def test_temperature_matches_trl(tmp_path):
     _compare(pair, dict(level="sequence", loss_type="dr_grpo", beta=0.04, temperature=0.7))
 
 
-@pytest.mark.parametrize("case", [dict(level="token", loss_type="vespo", beta=0.0),
+@pytest.mark.parametrize("case", [dict(level="token", loss_type="vespo", beta=0.0, rollout="token_truncate"),
                                   dict(level="sequence", loss_type="grpo", beta=0.0, entropy_coef=0.01,
                                        use_adaptive_entropy=True)],
                          ids=_case_id)

@@ -28,6 +28,13 @@ def test_luspo_sums_each_row_and_averages_the_rows():
     assert normalizer(TRLSettings(loss_type="luspo"), counts, mask) == 12.0
 
 
+def test_vespo_maps_onto_its_objective():
+    cfg = gspo_config(TRLSettings(loss_type="vespo", importance_sampling_level="token", vespo_k_pos=1.5,
+                                  vespo_lambda_neg=2.5))
+    assert (cfg.objective, cfg.level, cfg.loss_agg) == ("vespo", "sequence", "token-mean")
+    assert (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg) == (1.5, 3.0, 3.0, 2.5)
+
+
 def test_cispo_and_sapo():
     cispo = gspo_config(TRLSettings(loss_type="cispo", epsilon_high=5.0))
     assert cispo.objective == "cispo" and cispo.eps_high == 4.0 and 1.0 - cispo.eps_low < 1e-8
@@ -50,8 +57,9 @@ def test_unsupported_settings_are_named():
     assert "importance_sampling_level" in unsupported_setting(TRLSettings(importance_sampling_level="sequence_token"))
     assert "vllm_importance_sampling_mode" in unsupported_setting(TRLSettings(vllm_correction=True, vllm_mode="odd"))
     assert unsupported_setting(TRLSettings(vllm_correction=False, vllm_mode="odd")) is None
-    assert set(SUPPORTED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"}
-    assert "loss_type='vespo'" in unsupported_setting(TRLSettings(loss_type="vespo"))
+    assert set(SUPPORTED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"}
+    assert unsupported_setting(TRLSettings(loss_type="vespo")) is None
+    assert "vLLM" in unsupported_setting(TRLSettings(loss_type="vespo", vllm_correction=True, vllm_mode="token_mask"))
     with pytest.raises(ValueError, match="eps_low"):  # the trainer turns this into a warned fallback
         gspo_config(TRLSettings(epsilon_low=1.5))
 

@@ -127,7 +127,7 @@ def test_problems_take_every_branch(seed):
     no_rollout = _problem("torch", seed, packed=False, batch=12)
     no_rollout.rollout_logprobs = None
     for objective, level in OBJECTIVE_CASES:
-        if objective == "sapo":
+        if objective in ("sapo", "vespo"):  # soft weights: they never clip
             continue
         options = {"eps_low": 1.5e-3, "eps_high": 2.5e-3} if objective == "gmpo" else {}
         _, m = _ref_metrics(no_rollout, objective=objective, level=level, **options)
@@ -144,7 +144,10 @@ def test_problems_take_every_branch(seed):
     assert kl_clamped.item() != kl_plain.item() and kl_corrected.item() != kl_plain.item()
 
 
-@pytest.mark.parametrize("objective,level", OBJECTIVE_CASES)
+# VESPO's weight is a stop-gradient that moves with the logits (CISPO's is clipped, hence
+# constant, on these problems): its gradient is by definition not the value's derivative, so it
+# is checked against the float64 reference's autograd (test_objective_matches_reference) instead.
+@pytest.mark.parametrize("objective,level", [case for case in OBJECTIVE_CASES if case[0] != "vespo"])
 def test_family_gradcheck(objective, level, seed):
     problem = make_problem(ProblemSpec(batch=4, seq_len=5, vocab=6, dtype=torch.float64, with_ref=True,
                                        with_rollout=True, empty_sequence=True, seed=seed))
@@ -189,6 +192,9 @@ def test_bad_family_options():
         ({"log_ratio_clamp": (1.0, -1.0)}, ValueError, "low < high"),
         ({"log_ratio_clamp": 20.0}, ValueError, "a \\(low, high\\) pair"),
         ({"use_bias_correction_kl": 1}, TypeError, "must be a bool"),
+        ({"objective": "vespo", "level": "token"}, ValueError, "defined at level 'sequence'"),
+        ({"vespo_k_pos": 1.0}, ValueError, "objective='vespo' only"),
+        ({"objective": "vespo", "vespo_lambda_neg": 0.0}, ValueError, "must be > 0"),
     ]
     for options, error, pattern in bad:
         with pytest.raises(error, match=pattern):
@@ -202,6 +208,30 @@ def test_bad_family_options():
         gk.gspo_loss(*args, **no_rollout, entropy_threshold=1.0)
     with pytest.raises(TypeError, match="not both"):
         gk.gspo_loss(*args, **no_rollout, config=gk.GSPOConfig(), level="token")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vespo_weight_acts(backend, packed, seed):
+    """VESPO's gamma weight far from 1: old log-probs moved so that each sequence's summed
+    log-ratio spans about [-2, 2], on both advantage signs, with non-default (k, lambda)."""
+    problem = _problem(backend, seed, packed)
+    problem.rollout_logprobs = None
+    rows = problem.old_logprobs.shape[0] if not packed else problem.cu_seqlens.numel() - 1
+    shift = torch.linspace(-0.3, 0.3, rows, device=problem.old_logprobs.device)
+    if packed:
+        lengths = (problem.cu_seqlens[1:] - problem.cu_seqlens[:-1]).tolist()
+        shift = torch.repeat_interleave(shift, torch.tensor(lengths, device=shift.device))
+    else:
+        shift = shift[:, None]
+    problem.old_logprobs = problem.old_logprobs + shift
+    options = dict(objective="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0, vespo_lambda_neg=1.5)
+    result = run_case(problem, backend, **options)
+    assert result.passed, result.failures()
+    # The weight moves the loss: the same problem without it (CISPO with no clip) differs.
+    loss, _ = _ref_metrics(problem, **options)
+    plain, _ = _ref_metrics(problem, objective="cispo", eps_low=1 - 1e-9, eps_high=1e9)
+    assert abs(loss.item() - plain.item()) > 1e-3 * abs(plain.item())
 
 
 @pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.73, 1.0])

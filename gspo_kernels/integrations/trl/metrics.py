@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import trl
 
+from ...stage2.objectives import vespo_phi
+
 
 def log_trl_metrics(trainer, metrics: dict, inputs, mask: torch.Tensor) -> None:
     """The metrics TRL's loss logs, from the loss's detached outputs, by TRL's formulas:
@@ -44,7 +46,13 @@ def log_trl_metrics(trainer, metrics: dict, inputs, mask: torch.Tensor) -> None:
             kl = kl * ratio
         trainer._metrics[mode]["kl"].append(global_mean(kl))
     trainer._metrics[mode]["entropy"].append(global_mean(entropy))
-    if trainer.loss_type == "cispo":
+    if trainer.loss_type == "vespo":
+        args = trainer.args
+        log_w = ((logp - old) * maskf).clamp(-20.0, 20.0).sum(-1, keepdim=True)  # one weight per row
+        phi = vespo_phi(log_w, advantages, args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                        args.vespo_lambda_neg)
+        trainer._metrics[mode]["vespo/phi_seq_mean"].append(global_mean(phi))
+    elif trainer.loss_type == "cispo":
         clipped = ((ratio > trainer.epsilon_high) & (advantages > 0)).float()
         trainer._metrics[mode]["cispo_clip_ratio"].append(global_mean(clipped))
     elif trainer.loss_type != "sapo":

@@ -11,7 +11,7 @@ import torch
 
 from ...config import GSPOConfig
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 # Inputs of vision-language models: the fused path feeds text models only.
 MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -38,6 +38,10 @@ class TRLSettings:
     delta: float | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     vllm_correction: bool = False  # use_vllm and vllm_importance_sampling_correction
     vllm_mode: str = "sequence_mask"
     vllm_clip_min: float | None = None
@@ -54,6 +58,8 @@ class TRLSettings:
             off_policy_mask_threshold=trainer.off_policy_mask_threshold,
             top_entropy_quantile=trainer.top_entropy_quantile, delta=args.delta,
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
             vllm_correction=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
             vllm_mode=trainer.vllm_importance_sampling_mode,
             vllm_clip_min=trainer.vllm_importance_sampling_clip_min,
@@ -69,6 +75,10 @@ def unsupported_setting(settings: TRLSettings) -> str | None:
         return f"importance_sampling_level={settings.importance_sampling_level!r}"
     if settings.vllm_correction and settings.vllm_mode not in _ROLLOUT_MODES:
         return f"vllm_importance_sampling_mode={settings.vllm_mode!r}"
+    if settings.vllm_correction and settings.loss_type == "vespo":
+        # TRL folds the sampler's token ratios into VESPO's sequence weight; our rollout correction
+        # multiplies the policy term instead.
+        return "loss_type='vespo' with vLLM importance sampling"
     return None
 
 
@@ -97,6 +107,10 @@ def gspo_config(settings: TRLSettings) -> GSPOConfig:
     elif settings.loss_type == "sapo":
         options.update(objective="sapo", sapo_tau_pos=settings.sapo_temperature_pos,
                        sapo_tau_neg=settings.sapo_temperature_neg)
+    elif settings.loss_type == "vespo":  # TRL runs it at token level; its weight is the sequence's
+        options.update(objective="vespo", level="sequence", vespo_k_pos=settings.vespo_k_pos,
+                       vespo_lambda_pos=settings.vespo_lambda_pos, vespo_k_neg=settings.vespo_k_neg,
+                       vespo_lambda_neg=settings.vespo_lambda_neg)
     else:
         options.update(objective="clip", delta=settings.delta)
     # luspo (GSPO's length-unbiased form): each row's token sum, averaged over the rows.

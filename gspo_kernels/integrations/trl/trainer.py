@@ -207,7 +207,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         bonus = (entropy * acting_f).sum() / acting_f.sum().clamp(min=1.0) / accumulation
         self._metrics[mode]["policy_loss"].append(
-            self.accelerator.gather(loss.detach() * accumulation if self.loss_type not in ("dapo", "cispo")
+            self.accelerator.gather(loss.detach() * accumulation if self.loss_type not in ("dapo", "cispo", "vespo")
                                     else loss.detach()).nanmean().item())
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
