@@ -2,7 +2,10 @@
 trainer and with the gspo_kernels drop-in, on the same tiny random Llama with V = 32768 (the
 lm_head and its logits dominate): median time and peak memory beyond the inputs.
 
-    python benchmarks/trl_step_bench.py [--rows 8 --completion 256 --vocab 32768 --reps 5]
+    python benchmarks/trl_step_bench.py [--rows 8 --completion 256 --vocab 32768 --reps 5] [--lora]
+
+--lora wraps the model in PEFT LoRA (r 8 on every projection, the lm_head frozen), as a
+small-GPU user would: only the adapters train, and the head's gradient is not formed.
 
 Each trainer runs in a fresh subprocess; memory is the peak RSS (VmHWM, reset after a warm-up
 step) minus the RSS before the measured step, with every block of 64 KiB or more mapped on
@@ -28,7 +31,7 @@ def _rss_kib(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
-def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int) -> dict:
+def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int, lora: bool) -> dict:
     import torch
     import trl
 
@@ -36,7 +39,14 @@ def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int) -> di
     from gspo_kernels.integrations.trl import GRPOTrainer
 
     cls = trl.GRPOTrainer if kind == "trl" else GRPOTrainer
-    trainer = tiny_grpo_trainer(cls, tiny_llama(vocab=vocab, hidden=64), tempfile.mkdtemp(),
+    model = tiny_llama(vocab=vocab, hidden=64)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    trainer = tiny_grpo_trainer(cls, model, tempfile.mkdtemp(),
                                 importance_sampling_level="sequence", loss_type="grpo",
                                 max_completion_length=completion)
     trainer.beta = 0.04  # after construction: with beta > 0 there, TRL would load a reference model by name
@@ -78,20 +88,23 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA r 8 on every projection, frozen lm_head")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_measure(args.child, args.rows, args.completion, args.vocab, args.reps)))
+        print(json.dumps(_measure(args.child, args.rows, args.completion, args.vocab, args.reps, args.lora)))
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     results = []
     for kind in ("trl", "gspo_kernels"):
         out = subprocess.run([sys.executable, __file__, "--child", kind, "--rows", str(args.rows), "--completion",
-                              str(args.completion), "--vocab", str(args.vocab), "--reps", str(args.reps)],
+                              str(args.completion), "--vocab", str(args.vocab), "--reps", str(args.reps)]
+                             + (["--lora"] if args.lora else []),
                              capture_output=True, text=True, env=env, check=True)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     logits_mib = args.rows * args.completion * args.vocab * 4 / 2**20
-    print(f"TRL GRPOTrainer step (loss forward + backward), tiny Llama (hidden 64, 2 layers), V = {args.vocab}, "
+    adapted = ", PEFT LoRA r 8 on every projection (frozen lm_head)" if args.lora else ""
+    print(f"TRL GRPOTrainer step (loss forward + backward), tiny Llama (hidden 64, 2 layers){adapted}, V = {args.vocab}, "
           f"{args.rows} x {args.completion} completion tokens, float32 (the logits alone: {logits_mib:.0f} MiB)")
     print("| trainer | ms (median) | peak MiB beyond the inputs |\n|---|---|---|")
     for r in results:
