@@ -42,7 +42,9 @@ else
     echo "[setup] installing $TORCH_SPEC" >&2
     "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
     echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes), then the trainers" >&2
-    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,trl,verl]"
+    # wheel: deepspeed is an sdist, built (without isolation) against this torch.
+    "$PY" -m pip install -q --disable-pip-version-check wheel setuptools
+    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,trl,verl,deepspeed]"
     "$PY" -m pip install -q --disable-pip-version-check --no-deps "$VERL_SPEC"
     echo "$WANT" > "$STAMP"
 fi

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import trl
-from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from accelerate.utils import is_peft_model
 
 from ...config import GSPOConfig
@@ -90,8 +89,6 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _gspo_unsupported_model(self, model) -> str | None:
         unwrapped = self.accelerator.unwrap_model(model)
-        if is_deepspeed_zero3_enabled():
-            return "DeepSpeed ZeRO-3 (its lm_head gather around a recomputing backward)"
         peft_config = getattr(unwrapped, "peft_config", None)
         if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
             return "PEFT prompt learning (its virtual tokens enter through the PEFT wrapper)"
