@@ -82,6 +82,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             json.dump(summary, f)
     dist.barrier()
     dist.destroy_process_group()
+    # os._exit: with TRL's and accelerate's state alive, a clean interpreter exit aborted a rank once
+    # ("terminate called without an active exception") after its checks had passed.
+    os._exit(0)
 
 
 def test_drop_in_under_zero3(tmp_path):
