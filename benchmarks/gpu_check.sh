@@ -53,7 +53,7 @@ step "distributed: the NCCL path in a group of one GPU"
 timeout 120 "$PY" benchmarks/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9 || status=1
 
 step "fused-linear tile kernels on the GPU against the float64 reference"
-timeout 150 "$PY" -m pytest tests/linear/test_fused_linear_tiled.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_tiles.txt" | tail -n 4 || status=1
+timeout 150 "$PY" -m pytest tests/linear/test_fused_linear_tiled.py tests/linear/test_tile_ops.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_tiles.txt" | tail -n 4 || status=1
 
 step "test suite on the GPU"
 # The GPU backends only (the cpu and torch ones ran in CI): the row rule, packed isolation,

@@ -46,7 +46,6 @@ def _check_linear(hidden, weight, bias):
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-
 def _token_stats(rows, weight, bias, targets, row_mask, how: LinearPass):
     function = TiledLinearTokenStats if how.linear.fused else FusedLinearTokenStats
     return function.apply(rows, weight, bias, targets, row_mask, how)

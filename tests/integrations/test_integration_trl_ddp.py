@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import sys
 import tempfile
 
 import pytest
@@ -17,14 +14,13 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("trl")
+from trainer_world import free_port, join  # noqa: E402  (tests/integrations/ is on sys.path)
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.path.insert(0, os.path.dirname(__file__))
+    join(rank, world, port)
     import test_integration_trl as T
     from gspo_kernels.testing.tiny import tiny_grpo_trainer, tiny_llama
     from gspo_kernels.integrations.trl import GRPOTrainer
@@ -61,11 +57,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def test_gradients_are_synchronised_across_ranks(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "result")
-    mp.spawn(_worker, args=(2, port, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
     for rank in range(2):
         with open(f"{out}.{rank}") as f:
             result = json.load(f)

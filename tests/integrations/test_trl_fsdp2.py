@@ -14,18 +14,15 @@ here); the drop-in calls the head module (integrations/head.py) and gets the mea
 from __future__ import annotations
 
 import copy
-import json
-import os
-import socket
-import sys
 import tempfile
 import warnings
 
 import pytest
-import torch
 import torch.distributed as dist
 
 pytest.importorskip("trl")
+from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/ is on sys.path)
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 WORLD = 2
@@ -56,15 +53,8 @@ def _full_grads(model) -> dict:
             for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _relative(a: dict, b: dict) -> dict:
-    return {n: float((a[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in b.items()}
-
-
 def _worker(rank: int, port: int, out: str, setup: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.path.insert(0, os.path.dirname(__file__))
+    join(rank, WORLD, port)
     import test_integration_trl as T
     import trl
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,35 +98,22 @@ def _worker(rank: int, port: int, out: str, setup: str) -> None:
             assert not fallbacks, fallbacks
             loss.backward()
             losses[name], grads[name] = float(loss), _full_grads(t.model)
-        ours_error, theirs_error = _relative(grads["ours"], mean), _relative(grads["theirs"], mean)
+        def relative(a: dict) -> dict:
+            return {n: T._rel(a[n], g) for n, g in mean.items()}
+
+        ours_error, theirs_error = relative(grads["ours"]), relative(grads["theirs"])
         results[label] = {"loss": abs(losses["ours"] - losses["theirs"]) / abs(losses["theirs"]),
                           "ours": ours_error, "theirs": theirs_error,
-                          "spread": max(_relative(own, mean).values()),
+                          "spread": max(relative(own).values()),
                           "head_is_unit": type(ours.model.get_output_embeddings()).__name__.startswith("FSDP")}
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    # os._exit: with TRL's and accelerate's state alive, a clean interpreter exit aborted a rank once
-    # ("terminate called without an active exception") after its checks had passed.
-    os._exit(0)
+    leave(rank, out, results)
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_drop_in_under_fsdp2(setup, tmp_path):
-    import torch.multiprocessing as mp
-
     if SETUPS[setup]["lora"]:
         pytest.importorskip("peft")
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "result.json")
-    mp.spawn(_worker, args=(port, out, setup), nprocs=WORLD, join=True)
-    with open(out) as f:
-        results = json.load(f)
+    results = run(_worker, WORLD, tmp_path, setup)
     assert set(results) == set(CASES)
     for label, r in results.items():
         assert r["head_is_unit"] == SETUPS[setup]["head_unit"], label
