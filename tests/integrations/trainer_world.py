@@ -1,6 +1,7 @@
-"""A TRL trainer test on gloo processes started the way accelerate expects them (RANK,
-WORLD_SIZE, MASTER_ADDR in the environment): shared by the DDP, FSDP2 and ZeRO-3 tests of the
-drop-in. A worker is `worker(rank, port, out, *args)`; rank 0 writes its result to `out`."""
+"""A trainer test on gloo processes started the way accelerate and verl's workers expect them
+(RANK, WORLD_SIZE, MASTER_ADDR in the environment): shared by the DDP, FSDP2 and ZeRO-3 tests
+of the TRL drop-in and the verl actor test. A worker is `worker(rank, port, out, *args)`; rank 0
+writes its result to `out`."""
 
 from __future__ import annotations
 
