@@ -3,19 +3,34 @@
 # reference, then the benchmark suite on the default problem (B=8, T=512, V=32768, bf16 on a
 # CPU; a grid up to N=65536, V=151936 on a GPU), then the fused-linear problem (N=2048, H=512,
 # V=32768 on a CPU), then the tensor-, context- and data-parallel splits on 2 gloo processes
-# (N=2048, V=32768). Results also go to results/bench*.json.
-#   ./scripts/main.sh [extra bench args, e.g. --plot results/bench.png]
+# (N=2048, V=32768), then the host cost of a tiny loss call. Results also go to results/*.json.
+# Every table of the long suite is there; its timings take fewer repetitions (no warm-up, at
+# least 3, then as many as fit 3 s a measurement: the median drops a first call's compile or
+# allocation), so that the job takes under 5 minutes on a 2-core CPU.
+#   ./scripts/main.sh [--full] [extra bench args, e.g. --plot results/bench.png]
+# --full: the bench's own repetitions (10, up to 20 s a measurement) and every fused-linear mode.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$("$ROOT/scripts/setup_env.sh" | tail -n 1)"
 cd "$ROOT"
 mkdir -p results
+quick=(--reps 5 --budget 3 --warmup 0)
+linear=(--modes fwd+bwd --reps 3 --warmup 0)
+if [ "${1:-}" = "--full" ]; then
+    shift
+    quick=()
+    linear=()
+fi
+start=$SECONDS
 # Without a GPU the check runs the Triton kernels through Triton's CPU interpreter.
 if [ -e /dev/nvidia0 ]; then interpret=0; else interpret=1; fi
 TRITON_INTERPRET="${TRITON_INTERPRET:-$interpret}" "$PY" -m gspo_kernels check
-"$PY" -m gspo_kernels bench --json results/bench.json "$@"
-# The fused-linear problem (hidden states and lm_head weight, no logits), forward + backward only
-# to keep the main job a few minutes: `bench --linear` alone times forward and backward too.
-"$PY" -m gspo_kernels bench --linear --modes fwd+bwd --reps 3 --json results/bench_linear.json
+"$PY" -m gspo_kernels bench "${quick[@]}" --json results/bench.json "$@"
+# The fused-linear problem (hidden states and lm_head weight, no logits): forward + backward
+# only unless --full.
+"$PY" -m gspo_kernels bench --linear "${linear[@]}" --json results/bench_linear.json
 # The distributed splits on 2 gloo processes: communication per split, and time against 1 process.
 "$PY" -m gspo_kernels bench --distributed --json results/bench_distributed.json
+# Ops dispatched and host time of one tiny loss call, per objective and layout.
+"$PY" -m gspo_kernels bench --host --json results/bench_host.json
+echo "main job: $((SECONDS - start)) s after set-up"

@@ -80,9 +80,26 @@ def _run_distributed(args) -> int:
     return 0
 
 
+def _run_host(args) -> int:
+    """Ops dispatched and host time of one tiny loss call, per objective and layout."""
+    from ..bench import host
+
+    rows = host.run(reps=max(args.reps, 20))
+    print("host cost of one gspo_loss forward + backward, B=4 T=16 V=256 float32, backend cpu "
+          "(ops counted by a TorchDispatchMode)")
+    print(host.format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": machine_meta("cpu", float("nan")), "rows": [r.__dict__ for r in rows]}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def run(args) -> int:
     if args.distributed:
         return _run_distributed(args)
+    if args.host:
+        return _run_host(args)
     on_gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if on_gpu else "cpu"
     if args.linear:
@@ -150,4 +167,6 @@ def add_parser(commands) -> None:
     p.add_argument("--distributed", nargs="?", const="default",
                    help="tensor-, context- and data-parallel GSPO on 2 gloo processes against one process "
                         "(NxV, default 2048x32768), with the communication each split needs")
+    p.add_argument("--host", action="store_true",
+                   help="the host cost of a tiny loss call instead: ops dispatched and host ms, per objective and layout")
     p.set_defaults(run=run)

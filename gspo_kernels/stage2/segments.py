@@ -64,10 +64,10 @@ class Segments:
         return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, seq_of_row=seq_of_row, group=group)
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """`[N]` per-row values -> `[S]` per-sequence sums (0 for an empty sequence), over
-        every rank's part of the sequence."""
+        """`[N]` (or `[N, k]`: k columns at once) per-row values -> `[S]` (`[S, k]`)
+        per-sequence sums (0 for an empty sequence), over every rank's part of the sequence."""
         if self.rows_per_seq is not None:
-            local = x.reshape(self.num_seqs, self.rows_per_seq).sum(dim=1)
+            local = x.reshape(self.num_seqs, self.rows_per_seq, *x.shape[1:]).sum(dim=1)
         else:
             local = _packed_sum(x, self.cu_seqlens)
         return replicated_sum(local, self.group)

@@ -110,9 +110,12 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
     kl = None
     if batch.ref_logprobs is not None:
         kl = response_only(kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator, config.kl_clamp))
+        if config.use_bias_correction_kl:
+            # TRL's bias correction weights the KL by the (differentiable) importance ratio; the
+            # kl metric reads this corrected estimate too, as TRL's and Liger's do.
+            kl = kl * ratio
         if config.beta > 0:
-            # TRL's bias correction weights the KL by the (differentiable) importance ratio.
-            per_token = per_token + config.beta * (kl * ratio if config.use_bias_correction_kl else kl)
+            per_token = per_token + config.beta * kl
     if config.entropy_coef != 0.0:
         per_token = per_token - config.entropy_coef * entropy_r
     per_token = response_only(per_token)
@@ -126,22 +129,18 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
 
 @torch.no_grad()
 def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, tokens_per_seq):
-    n_tokens = tokens_per_seq.sum().clamp(min=1)
     mask = batch.mask
     low, high = mask & term.clipped_low, mask & term.clipped_high
     seg = batch.segments
-    nonempty = tokens_per_seq > 0
-    n_seqs = nonempty.sum().clamp(min=1)
-    # The token sums behind the means, reduced across ranks together (one collective).
-    summed = [low | high, low, high, entropy_r] + ([] if kl is None else [kl])
-    sums = seg.reduce(torch.stack([x.to(mask_f.dtype).sum() for x in summed]))
-    means = (sums / n_tokens).float().unbind(0)
-
-    def per_sequence(flags):
-        # TRL's view: each non-empty sequence's fraction of clipped tokens, averaged over sequences.
-        share = seg.seq_sum(flags.to(mask_f.dtype)) / tokens_per_seq.clamp(min=1)
-        return (torch.where(nonempty, share, torch.zeros_like(share)).sum() / n_seqs).float()
-
+    # Every token mean and every per-sequence share comes from one per-sequence sum of stacked
+    # columns (one reduction, and one collective across context-parallel ranks).
+    columns = [low | high, low, high, entropy_r] + ([] if kl is None else [kl])
+    per_seq = seg.seq_sum(torch.stack([c.to(mask_f.dtype) for c in columns], dim=1))
+    means = (per_seq.sum(0) / tokens_per_seq.sum().clamp(min=1)).float().unbind(0)
+    # TRL's per-sequence view: each non-empty sequence's share of clipped tokens, averaged over
+    # the non-empty sequences (an empty one has a share of 0 / 1 = 0).
+    shares = (per_seq[:, 1:3] / tokens_per_seq.clamp(min=1).unsqueeze(1)).sum(0)
+    seq_shares = (shares / (tokens_per_seq > 0).sum().clamp(min=1)).float().unbind(0)
     metrics = {
         "token_logprobs": logp.detach().float().reshape(batch.token_shape),
         "entropy": entropy.detach().float().reshape(batch.token_shape),
@@ -149,8 +148,8 @@ def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, token
         "clip_frac": means[0],
         "clip_frac_low": means[1],
         "clip_frac_high": means[2],
-        "seq_clip_frac_low": per_sequence(low),
-        "seq_clip_frac_high": per_sequence(high),
+        "seq_clip_frac_low": seq_shares[0],
+        "seq_clip_frac_high": seq_shares[1],
         "entropy_mean": means[3],
     }
     if kl is not None:

@@ -76,3 +76,15 @@ def test_eager_native_runs_only_where_bf16_is_native(native, monkeypatch):
     provider = linear.LINEAR_PROVIDERS["eager_native"]
     assert (provider.unavailable("cpu") is None) == native
     assert "same as eager" in provider.unavailable("cuda")
+
+
+def test_host_bench_writes_a_row_per_case_and_layout(tmp_path, capsys):
+    from gspo_kernels.bench import host
+
+    out = tmp_path / "host.json"
+    assert main(["bench", "--host", "--reps", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["case"], r["layout"]) for r in rows} == {(c, layout) for c in host.CASES for layout in host.LAYOUTS}
+    # every call dispatches stage 1 and stage 3 at least, and took some host time
+    assert all(r["ops_forward"] > 1 and r["ops_backward"] >= 1 and r["host_ms"] > 0 for r in rows)
+    assert "ops fwd" in capsys.readouterr().out

@@ -74,3 +74,29 @@ def test_kl_estimators_and_entropy():
         assert metrics["kl"].item() == pytest.approx(value.item(), rel=1e-9), estimator
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     assert torch.allclose(metrics["entropy"], entropy)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_kl_metric_follows_the_bias_corrected_estimate(beta):
+    """With use_bias_correction_kl the loss weights each token's k3 by its ratio, and so do TRL's
+    and Liger's kl metrics: ours reads the same corrected mean (from the reference and from the
+    kernels alike), not the raw k3 that a user would then compare against TRL's logs."""
+    import gspo_kernels as gk
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 8, dtype=torch.float64, generator=gen)
+    targets = torch.randint(0, 8, (2, 3), generator=gen)
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    old = logp + torch.tensor([[0.3, -0.2, 0.1], [-0.4, 0.2, 0.5]], dtype=torch.float64)
+    ref = logp - torch.tensor([[1.5, -2.0, 0.7], [2.5, 0.1, -1.2]], dtype=torch.float64)
+    gap = ref - logp
+    k3 = gap.exp() - 1 - gap
+    ratio = (logp - old).exp()  # token level
+    want = (k3 * ratio).mean()
+    assert abs(want - k3.mean()) > 0.1  # the two readings differ on this batch
+    options = dict(level="token", ref_logprobs=ref, use_bias_correction_kl=True, beta=beta, eps_low=0.2, eps_high=0.2)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    _, metrics = reference.gspo_loss(logits, targets, old, adv, **options)
+    assert metrics["kl"].item() == pytest.approx(want.item(), rel=1e-9)
+    _, metrics = gk.gspo_loss(logits.clone(), targets, old, adv, backend="torch", **options)
+    assert metrics["kl"].item() == pytest.approx(want.item(), rel=1e-6)
