@@ -15,14 +15,15 @@ def apply(cfg: GSPOConfig, x: PolicyInputs, policy, old, rollout, entropy, entro
     """The policy term after the configured corrections, and their metrics: times the rollout
     weights, then zero where token selection drops a token (response-only `[N]` inputs)."""
     metrics = {}
+    if cfg.rollout_correction is None and cfg.top_entropy_quantile >= 1.0 and cfg.off_policy_mask_threshold is None:
+        return policy, metrics
     zero = torch.zeros((), dtype=policy.dtype, device=policy.device)
-    n_tokens = x.tokens_per_seq.sum().clamp(min=1)  # global already (see sequence._aggregate)
 
     def response_mean(values):
-        return (x.segments.total(values.detach().to(policy.dtype)) / n_tokens).float()
+        return (x.segments.total(values.detach().to(policy.dtype)) / x.n_tokens).float()
 
     if cfg.rollout_correction is not None:
-        weights, rejected = rollout_weights(cfg, x.segments, x.mask, x.tokens_per_seq, old, rollout)
+        weights, rejected = rollout_weights(cfg, x.segments, x.mask, x.length, old, rollout)
         policy = policy * weights
         metrics["rollout_is_mean"] = response_mean(torch.where(x.mask, weights, zero))
         metrics["rollout_is_max"] = x.segments.max(torch.where(x.mask, weights, zero)).float()
@@ -33,13 +34,13 @@ def apply(cfg: GSPOConfig, x: PolicyInputs, policy, old, rollout, entropy, entro
         metrics["entropy_kept_frac"] = response_mean(kept)
     if cfg.off_policy_mask_threshold is not None:
         behaviour = old if rollout is None else rollout
-        kept = on_policy_sequences(cfg, x.segments, x.mask, x.tokens_per_seq, x.logp, behaviour, x.adv)
+        kept = on_policy_sequences(cfg, x.segments, x.mask, x.length, x.logp, behaviour, x.adv)
         policy = torch.where(kept, policy, zero)
         metrics["off_policy_masked_frac"] = response_mean(x.mask & ~kept)
     return policy, metrics
 
 
-def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, old, rollout):
+def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, length, old, rollout):
     """Per-token weights w = pi_old / pi_rollout (detached), truncated into [min, max] or set
     to 0 outside it (mask modes). Sequence modes put one weight on every token of a sequence:
     the geometric mean exp(mean_t (old_t - rollout_t)), or with rollout_sequence_weight=
@@ -49,7 +50,7 @@ def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, old, r
     if cfg.rollout_correction.startswith("sequence"):
         total = seg.seq_sum(diff)
         if cfg.rollout_sequence_weight == "geometric-mean":
-            total = total / tokens_per_seq.clamp(min=1)
+            total = total / length
         diff = seg.per_row(total)
     weights = torch.exp(diff)
     low = 0.0 if cfg.rollout_is_min is None else cfg.rollout_is_min
@@ -84,10 +85,10 @@ def high_entropy_tokens(cfg: GSPOConfig, entropy, mask, threshold=None):
     return mask & (entropy.detach() >= threshold)
 
 
-def on_policy_sequences(cfg: GSPOConfig, seg: Segments, mask, tokens_per_seq, logp, behaviour, adv):
+def on_policy_sequences(cfg: GSPOConfig, seg: Segments, mask, length, logp, behaviour, adv):
     """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a token is
     kept unless its advantage is negative and its sequence's mean of behaviour - logp (a KL
     estimate of how far the sampler was from the current policy) exceeds the threshold."""
     gap = torch.where(mask, torch.nan_to_num(behaviour - logp.detach(), nan=0.0), torch.zeros_like(logp))
-    seq_gap = seg.per_row(seg.seq_sum(gap) / tokens_per_seq.clamp(min=1))
+    seq_gap = seg.per_row(seg.seq_sum(gap) / length)
     return (adv >= 0) | (seq_gap <= cfg.off_policy_mask_threshold)

@@ -27,6 +27,8 @@ class PolicyInputs:
     segments: Segments
     tokens_per_seq: torch.Tensor  # [S], float
     clamp_log_ratio: object  # callable: the configured log-ratio clamp
+    length: torch.Tensor  # [S], tokens_per_seq clamped to >= 1 (the divisor of per-sequence means)
+    n_tokens: torch.Tensor  # 0-d, the response tokens of the whole batch, >= 1
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _gmpo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
     sign = torch.sign(x.adv)
     clamped = x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
     pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * clamped)
-    length = x.tokens_per_seq.clamp(min=1)
+    length = x.length
     seq_ratio = torch.exp(x.clamp_log_ratio(seg.seq_sum(pessimistic) / length))
     seq_adv = seg.seq_sum(x.adv) / length
     term = torch.where(x.mask, seg.per_row(-seq_adv * seq_ratio), torch.zeros_like(x.adv))

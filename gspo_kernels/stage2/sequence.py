@@ -57,21 +57,21 @@ def _importance_ratio(config: GSPOConfig, batch: LossBatch, logp, log_ratio, seq
     return torch.exp(clamp(log_ratio))
 
 
-def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, tokens_per_seq):
+def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, x: PolicyInputs):
     if config.loss_agg in ("token-mean", "token-sum"):
         # Every row lies in a sequence, so the token count is the sum of the (already global)
         # per-sequence counts: no second reduction across ranks.
-        count = tokens_per_seq.sum().clamp(min=1) if config.loss_agg == "token-mean" else 1.0
+        count = x.n_tokens if config.loss_agg == "token-mean" else 1.0
         denom = batch.normalizer if batch.normalizer is not None else count
         return batch.segments.total(per_token) / denom
     per_seq = batch.segments.seq_sum(per_token)
     if config.loss_agg == "seq-mean-token-mean":
-        per_seq = per_seq / tokens_per_seq.clamp(min=1)
+        per_seq = per_seq / x.length
     elif config.loss_agg == "seq-mean-token-sum-norm":
         per_seq = per_seq / batch.horizon
     if batch.normalizer is not None:
         return per_seq.sum() / batch.normalizer
-    return per_seq.sum() / (tokens_per_seq > 0).sum().clamp(min=1).to(per_seq.dtype)
+    return per_seq.sum() / (x.tokens_per_seq > 0).sum().clamp(min=1).to(per_seq.dtype)
 
 
 def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
@@ -94,12 +94,15 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
 
     seg = batch.segments
     tokens_per_seq = seg.seq_sum(mask_f)
-    seq_log_ratio = seg.seq_sum(log_ratio) / tokens_per_seq.clamp(min=1)
+    length = tokens_per_seq.clamp(min=1)
+    seq_log_ratio = seg.seq_sum(log_ratio) / length
     ratio = _importance_ratio(config, batch, logp_r, log_ratio, seq_log_ratio, clamp)
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
 
-    inputs = PolicyInputs(logp_r, log_ratio, ratio, adv, mask, seg, tokens_per_seq, clamp)
+    # Every rank's tokens already: tokens_per_seq is a global per-sequence sum.
+    inputs = PolicyInputs(logp_r, log_ratio, ratio, adv, mask, seg, tokens_per_seq, clamp, length,
+                          tokens_per_seq.sum().clamp(min=1))
     term = policy_term(config, inputs)
     rollout = None if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
     per_token, extra = corrections.apply(config, inputs, term.per_token, old, rollout, entropy_r,
@@ -120,15 +123,14 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
         per_token = per_token - config.entropy_coef * entropy_r
     per_token = response_only(per_token)
 
-    loss = seg.replicated_loss(_aggregate(config, batch, per_token, tokens_per_seq))
-    metrics = _metrics(batch, logp, entropy, entropy_r, term, torch.exp(clamp(seq_log_ratio)), kl, mask_f,
-                       tokens_per_seq)
+    loss = seg.replicated_loss(_aggregate(config, batch, per_token, inputs))
+    metrics = _metrics(batch, logp, entropy, entropy_r, term, torch.exp(clamp(seq_log_ratio)), kl, mask_f, inputs)
     metrics.update(extra)
     return loss, metrics
 
 
 @torch.no_grad()
-def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, tokens_per_seq):
+def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, x: PolicyInputs):
     mask = batch.mask
     low, high = mask & term.clipped_low, mask & term.clipped_high
     seg = batch.segments
@@ -136,11 +138,11 @@ def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, token
     # columns (one reduction, and one collective across context-parallel ranks).
     columns = [low | high, low, high, entropy_r] + ([] if kl is None else [kl])
     per_seq = seg.seq_sum(torch.stack([c.to(mask_f.dtype) for c in columns], dim=1))
-    means = (per_seq.sum(0) / tokens_per_seq.sum().clamp(min=1)).float().unbind(0)
+    means = (per_seq.sum(0) / x.n_tokens).float().unbind(0)
     # TRL's per-sequence view: each non-empty sequence's share of clipped tokens, averaged over
     # the non-empty sequences (an empty one has a share of 0 / 1 = 0).
-    shares = (per_seq[:, 1:3] / tokens_per_seq.clamp(min=1).unsqueeze(1)).sum(0)
-    seq_shares = (shares / (tokens_per_seq > 0).sum().clamp(min=1)).float().unbind(0)
+    shares = (per_seq[:, 1:3] / x.length.unsqueeze(1)).sum(0)
+    seq_shares = (shares / (x.tokens_per_seq > 0).sum().clamp(min=1)).float().unbind(0)
     metrics = {
         "token_logprobs": logp.detach().float().reshape(batch.token_shape),
         "entropy": entropy.detach().float().reshape(batch.token_shape),
