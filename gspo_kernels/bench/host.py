@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..config import GSPOConfig
+from ..loss import gspo_loss
+
 # One row per objective as a user would call it; "gspo+kl+entropy" is the issue's second goal.
 CASES = {
     "gspo": dict(level="sequence"),
@@ -30,7 +33,8 @@ LAYOUTS = ("padded", "packed")
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every op that reaches the dispatcher, by phase and by name."""
+    """Counts every op that reaches the dispatcher, by phase and by overload
+    ("aten.sum.dim_IntList", "gspo_kernels.token_stats.default")."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,11 +42,16 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[(self.phase, func.overloadpacket.__name__)] += 1
+        self.ops[(self.phase, str(func))] += 1
         return func(*args, **(kwargs or {}))
 
     def total(self, phase: str) -> int:
         return sum(n for (p, _), n in self.ops.items() if p == phase)
+
+    def of(self, name: str, phase: str | None = None) -> int:
+        """Calls of the op `name` (its overloads together: "gspo_kernels.token_stats"), in `phase` or in all."""
+        return sum(n for (p, op), n in self.ops.items()
+                   if (phase is None or p == phase) and op.rsplit(".", 1)[0] == name)
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,8 @@ class HostRow:
 
 
 def tiny_call(case: str, layout: str, batch: int = 4, seq_len: int = 16, vocab: int = 256, seed: int = 0):
-    """A closure running one forward + backward of `case` in `layout` (fresh leaf logits each call)."""
-    import gspo_kernels as gk
-
+    """A closure running one forward + backward of `case` in `layout` (fresh leaf logits each call),
+    every token in the response."""
     gen = torch.Generator().manual_seed(seed)
     packed = layout == "packed"
     token_shape = (batch * seq_len,) if packed else (batch, seq_len)
@@ -73,13 +81,13 @@ def tiny_call(case: str, layout: str, batch: int = 4, seq_len: int = 16, vocab: 
     options = dict(CASES[case])
     if "beta" in options:
         tensors["ref_logprobs"] = old + 0.05
-    config = gk.GSPOConfig(backend="cpu", **options)
+    config = GSPOConfig(backend="cpu", **options)
     advantages = torch.randn(batch, generator=gen)
 
     def call(counter: OpCounter | None = None):
         logits = base.clone().requires_grad_()  # outside the count: the caller's tensor
         with counter if counter is not None else contextlib.nullcontext():
-            loss, _ = gk.gspo_loss(logits, targets, old, advantages, config=config, **tensors)
+            loss, _ = gspo_loss(logits, targets, old, advantages, config=config, **tensors)
             if counter is not None:
                 counter.phase = "backward"
             loss.backward()

@@ -115,7 +115,7 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
         kl = response_only(kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator, config.kl_clamp))
         if config.use_bias_correction_kl:
             # TRL's bias correction weights the KL by the (differentiable) importance ratio; the
-            # kl metric reads this corrected estimate too, as TRL's and Liger's do.
+            # kl metric reads this corrected estimate too, as TRL's does.
             kl = kl * ratio
         if config.beta > 0:
             per_token = per_token + config.beta * kl

@@ -177,9 +177,11 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
             kept_on_policy.append(keep)
         if ref is not None:
             kl = _kl(lp, ref[idx], cfg.kl_estimator, cfg.kl_clamp)
+            if cfg.use_bias_correction_kl:  # the loss and the metric alike
+                kl = kl * ratio
             if cfg.beta > 0:  # beta = 0: KL is a metric only; an infinite one leaves the loss alone
-                term = term + cfg.beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
-            kls.append(kl * ratio if cfg.use_bias_correction_kl else kl)  # the metric: the KL the loss weights
+                term = term + cfg.beta * kl
+            kls.append(kl)
         term = term - cfg.entropy_coef * entropy[idx]
         seq_terms.append(term)
         seq_ratios.append(s_i)

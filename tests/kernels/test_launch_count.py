@@ -3,23 +3,12 @@
 from collections import Counter
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gspo_kernels as gk
+from gspo_kernels.bench.host import OpCounter
 from gspo_kernels.testing.problems import ProblemSpec, make_problem
 
 from conftest import BACKENDS, device_for
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _ops_of_one_step(backend, spec, packed):
@@ -28,7 +17,7 @@ def _ops_of_one_step(backend, spec, packed):
         problem = problem.to_packed()
     x = problem.logits.detach().clone().requires_grad_()
     args, kwargs = problem.loss_args(x)
-    with _CountOps() as counter:
+    with OpCounter() as counter:
         loss, _ = gk.gspo_loss(*args, **kwargs, backend=backend, level="sequence", entropy_coef=0.01)
         loss.backward()
     return counter.ops
