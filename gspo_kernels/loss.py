@@ -18,9 +18,9 @@ def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs,
     batch = prepare_batch(config, TokenLayout.of_logits(logits), target_ids, old_logprobs, advantages, **per_call)
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
-    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace, batch.mask,
-                                shard)
-    return gspo_objective(config, batch, logp, entropy)
+    logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace,
+                                batch.row_mask, shard)
+    return gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
 
 
 def gspo_loss(

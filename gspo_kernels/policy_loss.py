@@ -40,8 +40,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advan
     batch = prepare_batch(config, layout, None, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
                           ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
                           entropy_threshold=entropy_threshold, cp_group=cp_group, token_weights=token_weights)
-    flat_entropy = torch.zeros_like(logprobs).reshape(-1) if entropy is None else entropy.reshape(-1)
-    loss, metrics = gspo_objective(config, batch, logprobs.reshape(-1), flat_entropy)
+    loss, metrics = gspo_objective(config, batch, logprobs, torch.zeros_like(logprobs) if entropy is None else entropy)
     if entropy is None:
         del metrics["entropy"], metrics["entropy_mean"]
     return loss, metrics

@@ -11,33 +11,37 @@ from .objectives import PolicyInputs
 from .segments import Segments
 
 
-def apply(cfg: GSPOConfig, x: PolicyInputs, policy, old, rollout, entropy, entropy_threshold):
-    """The policy term after the configured corrections, and their metrics: times the rollout
-    weights, then zero where token selection drops a token (response-only `[N]` inputs)."""
+def apply(cfg: GSPOConfig, x: PolicyInputs, old, rollout, entropy, entropy_threshold):
+    """The detached per-token weight of the policy term that the configured corrections give
+    (None when none is configured), and their metrics: the rollout weights, times 0 where
+    token selection drops a token (response-only inputs of the token shape)."""
     metrics = {}
     if cfg.rollout_correction is None and cfg.top_entropy_quantile >= 1.0 and cfg.off_policy_mask_threshold is None:
-        return policy, metrics
-    zero = torch.zeros((), dtype=policy.dtype, device=policy.device)
+        return None, metrics
+    weight = None
 
     def response_mean(values):
-        return (x.segments.total(values.detach().to(policy.dtype)) / x.n_tokens).float()
+        return (x.segments.total(values.to(old.dtype)) / x.n_tokens).float()
+
+    def times(keep):
+        return keep if weight is None else torch.where(keep, weight, 0.0)
 
     if cfg.rollout_correction is not None:
         weights, rejected = rollout_weights(cfg, x.segments, x.mask, x.length, old, rollout)
-        policy = policy * weights
-        metrics["rollout_is_mean"] = response_mean(torch.where(x.mask, weights, zero))
-        metrics["rollout_is_max"] = x.segments.max(torch.where(x.mask, weights, zero)).float()
+        weight = torch.where(x.mask, weights, 0.0)
+        metrics["rollout_is_mean"] = response_mean(weight)
+        metrics["rollout_is_max"] = x.segments.max(weight).float()
         metrics["rollout_masked_frac"] = response_mean(rejected)
     if cfg.top_entropy_quantile < 1.0:
         kept = high_entropy_tokens(cfg, entropy, x.mask, entropy_threshold)
-        policy = torch.where(kept, policy, zero)
+        weight = times(kept)
         metrics["entropy_kept_frac"] = response_mean(kept)
     if cfg.off_policy_mask_threshold is not None:
         behaviour = old if rollout is None else rollout
         kept = on_policy_sequences(cfg, x.segments, x.mask, x.length, x.logp, behaviour, x.adv)
-        policy = torch.where(kept, policy, zero)
+        weight = times(kept)
         metrics["off_policy_masked_frac"] = response_mean(x.mask & ~kept)
-    return policy, metrics
+    return weight, metrics
 
 
 def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, length, old, rollout):
@@ -46,7 +50,7 @@ def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, length, old, rollout):
     the geometric mean exp(mean_t (old_t - rollout_t)), or with rollout_sequence_weight=
     "product" the whole sequence's ratio exp(sum_t ...), as TRL and verl do. A NaN rollout
     log-prob (a token the sampler could not score) counts as no correction, as TRL does."""
-    diff = torch.where(mask, torch.nan_to_num(old.detach() - rollout, nan=0.0), torch.zeros_like(old))
+    diff = torch.where(mask, torch.nan_to_num(old - rollout, nan=0.0), 0.0)
     if cfg.rollout_correction.startswith("sequence"):
         total = seg.seq_sum(diff)
         if cfg.rollout_sequence_weight == "geometric-mean":
@@ -64,9 +68,10 @@ def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, length, old, rollout):
 def quantile_of_masked(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(values[mask], q) (linear interpolation), without the host sync that
     boolean indexing costs: masked-out entries sort to the end and the rank is a tensor."""
+    values, mask = values.reshape(-1), mask.reshape(-1)
     if values.numel() == 0:
         return values.new_full((), float("inf"))
-    ordered = torch.sort(torch.where(mask, values, torch.full_like(values, float("inf")))).values
+    ordered = torch.sort(torch.where(mask, values, float("inf"))).values
     count = mask.sum().to(values.dtype)
     rank = (count - 1).clamp(min=0) * q
     below = rank.floor()
@@ -81,14 +86,14 @@ def high_entropy_tokens(cfg: GSPOConfig, entropy, mask, threshold=None):
     response tokens' entropies: this call's tokens, unless `threshold` (a 0-d tensor, e.g. the
     quantile over every rank's tokens) is given."""
     if threshold is None:
-        threshold = quantile_of_masked(entropy.detach(), mask, 1.0 - cfg.top_entropy_quantile)
-    return mask & (entropy.detach() >= threshold)
+        threshold = quantile_of_masked(entropy, mask, 1.0 - cfg.top_entropy_quantile)
+    return mask & (entropy >= threshold)
 
 
 def on_policy_sequences(cfg: GSPOConfig, seg: Segments, mask, length, logp, behaviour, adv):
     """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a token is
     kept unless its advantage is negative and its sequence's mean of behaviour - logp (a KL
     estimate of how far the sampler was from the current policy) exceeds the threshold."""
-    gap = torch.where(mask, torch.nan_to_num(behaviour - logp.detach(), nan=0.0), torch.zeros_like(logp))
+    gap = torch.where(mask, torch.nan_to_num(behaviour - logp, nan=0.0), 0.0)
     seq_gap = seg.per_row(seg.seq_sum(gap) / length)
     return (adv >= 0) | (seq_gap <= cfg.off_policy_mask_threshold)

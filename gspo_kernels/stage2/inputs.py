@@ -96,7 +96,7 @@ def _per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor |
             "for GSPO's ~3e-4 clip range: compute them in float32 (logits.float().log_softmax)."
         )
     _require_device(name, t, device)
-    return t.reshape(-1)
+    return t
 
 
 def _check_values(ok: torch.Tensor, message: str) -> None:
@@ -110,10 +110,10 @@ def _check_values(ok: torch.Tensor, message: str) -> None:
 
 
 def check_mask(value, layout: TokenLayout) -> torch.Tensor:
-    """The response mask as a `[N]` bool tensor (all True when value is None)."""
+    """The response mask as a bool tensor of the token shape (all True when value is None)."""
     token_shape, device = layout.shape, layout.device
     if value is None:
-        return torch.ones(token_shape.numel(), dtype=torch.bool, device=device)
+        return torch.ones(token_shape, dtype=torch.bool, device=device)
     t = _require_tensor("mask", value)
     _require_shape("mask", t, token_shape, "one flag per token, like target_ids")
     if t.dtype.is_floating_point or t.dtype.is_complex:
@@ -122,19 +122,21 @@ def check_mask(value, layout: TokenLayout) -> torch.Tensor:
             "because a weight other than 0/1 would silently change the loss: pass mask.bool()."
         )
     _require_device("mask", t, device)
-    if t.dtype != torch.bool:
-        _check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
-    return t.reshape(-1) != 0
+    if t.dtype == torch.bool:
+        return t
+    _check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
+    return t != 0
 
 
 def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> None:
     if cu.device.type == "cpu" and not torch.compiler.is_compiling():
-        if int(cu[0]) != 0:
-            raise ValueError(f"cu_seqlens must start at 0; got {int(cu[0])}")
-        if bool((cu[1:] < cu[:-1]).any()):
+        bounds = cu.tolist()  # a CPU tensor's values, read without dispatching an op
+        if bounds[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0; got {bounds[0]}")
+        if any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError("cu_seqlens must be non-decreasing")
-        if int(cu[-1]) != rows:
-            raise ValueError(f"cu_seqlens must end at N = {rows} (the number of logits rows); got {int(cu[-1])}")
+        if bounds[-1] != rows:
+            raise ValueError(f"cu_seqlens must end at N = {rows} (the number of logits rows); got {bounds[-1]}")
         return
     valid = (cu[0] == 0) & (cu[-1] == rows) & (cu[1:] >= cu[:-1]).all()
     torch._assert_async(valid, "cu_seqlens must start at 0, be non-decreasing and end at N")
@@ -170,7 +172,7 @@ def _advantages(value, segments: Segments, token_shape, device) -> tuple[torch.T
     if tuple(t.shape) == per_seq_shape:
         return t, False
     if tuple(t.shape) == tuple(token_shape):
-        return t.reshape(-1), True
+        return t, True
     raise ValueError(
         f"advantages must have shape {per_seq_shape} (one per sequence) or {tuple(token_shape)} "
         f"(one per token); got {tuple(t.shape)}"
@@ -194,7 +196,8 @@ def _normalizer(value, device):
 
 @dataclass(frozen=True)
 class LossBatch:
-    """The loss inputs after checking: per-row `[N]` tensors plus the sequence layout."""
+    """The loss inputs after checking: per-token tensors of the token shape (`[B, T]` padded,
+    `[N]` packed) plus the sequence layout; the targets flattened to the kernels' `[N]` rows."""
 
     targets: torch.Tensor | None  # None where the log-probs are given (policy_loss)
     token_shape: torch.Size
@@ -209,6 +212,11 @@ class LossBatch:
     rollout_logprobs: torch.Tensor | None = None
     entropy_threshold: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None  # detached per-token weights of the policy term
+
+    @property
+    def row_mask(self) -> torch.Tensor:
+        """The mask as the kernels' `[N]` rows."""
+        return self.mask.reshape(-1)
 
 
 def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):
@@ -244,7 +252,7 @@ def _token_weights(value, token_shape, device):
     if not t.dtype.is_floating_point:
         raise TypeError(f"token_weights must be a float tensor; got {t.dtype}")
     _require_device("token_weights", t, device)
-    return t.detach().reshape(-1)
+    return t.detach()
 
 
 def _check_context_parallel(config: GSPOConfig, cp_group, entropy_threshold, max_len_needed: bool) -> None:

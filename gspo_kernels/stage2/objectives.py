@@ -1,9 +1,17 @@
-"""The policy term of each objective, per token: one small function each, one table.
+"""The policy term of each objective, per token, with its derivatives: one small function each,
+one table.
 
-Every function takes the same PolicyInputs (per-row `[N]` tensors, zero outside the response)
-and returns a PolicyTerm: the per-token loss term (to be minimised, before any weighting or
-aggregation) and the per-token flags that the clip metrics count. Formulas and sources are in
-docs/semantics.md, "Objectives and corrections".
+Every function takes the same PolicyInputs (per-token tensors, zero outside the response, all
+detached) and the level's importance ratio, and returns a PolicyTerm: the per-token loss term
+(to be minimised, before any weighting or aggregation), its partial derivatives with respect to
+the ratio and to the token's own log-prob (None where one is identically zero), and the
+per-token flags that the clip metrics count. gradient.py chains the two derivatives back to the
+log-probs. Formulas and sources are in docs/semantics.md, "Objectives and corrections".
+
+Derivatives follow autograd's conventions at the kinks, so that the hand-written gradient is
+the one autograd gave for the same formula: a clamp passes the gradient at its bounds, and a
+tie in a minimum (the clip's common case, r inside [1 - eps_low, 1 + eps_high]) sends it to
+both branches, half each, which adds up to the unclipped branch's.
 """
 
 from __future__ import annotations
@@ -19,70 +27,101 @@ from .segments import Segments
 
 @dataclass(frozen=True)
 class PolicyInputs:
-    logp: torch.Tensor  # current log-probs, autograd-connected
-    log_ratio: torch.Tensor  # logp - old, per token (unclamped)
-    ratio: torch.Tensor  # the level's importance ratio per token (s_i, s_i,t or r_t)
-    adv: torch.Tensor  # advantage per token
-    mask: torch.Tensor  # bool response mask
+    logp: torch.Tensor  # current log-probs (zero outside the response)
+    log_ratio: torch.Tensor  # logp - old (zero outside the response), unclamped
+    adv: torch.Tensor  # advantage per token (zero outside the response)
+    mask: torch.Tensor  # bool response mask, token shape
     segments: Segments
     tokens_per_seq: torch.Tensor  # [S], float
-    clamp_log_ratio: object  # callable: the configured log-ratio clamp
     length: torch.Tensor  # [S], tokens_per_seq clamped to >= 1 (the divisor of per-sequence means)
     n_tokens: torch.Tensor  # 0-d, the response tokens of the whole batch, >= 1
+    log_ratio_bounds: tuple  # (low, high) of config.log_ratio_clamp, None for an open side
+    zero: torch.Tensor  # 0-d, the dtype's zero (one tensor for every torch.where)
 
 
 @dataclass(frozen=True)
 class PolicyTerm:
-    per_token: torch.Tensor
+    value: torch.Tensor
+    d_ratio: torch.Tensor | None  # d value / d ratio (the level's ratio of the same token)
+    d_logp: torch.Tensor | None  # d value / d logp of the same token, the ratio held fixed
     clipped_low: torch.Tensor  # bool, counted by clip_frac_low
     clipped_high: torch.Tensor  # bool, counted by clip_frac_high
+    clipped: torch.Tensor | None = None  # clipped_low | clipped_high, where the objective has it at hand
 
 
-def _clip(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+def _clip(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     """PPO/GSPO clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A), with TRL's two-sided cap
     (`delta` bounds the unclipped r) and verl's dual clip (`clip_ratio_c`: at most -c A for A < 0)."""
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    unclipped = x.ratio if cfg.delta is None else x.ratio.clamp(max=cfg.delta)
-    term = -torch.minimum(unclipped * x.adv, x.ratio.clamp(lo, hi) * x.adv)
+    clamped = ratio.clamp(lo, hi)
+    unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+    neg_adv = -x.adv
+    # -min(u A, c A) = max(u (-A), c (-A)).
+    by_unclipped, by_clipped = unclipped * neg_adv, clamped * neg_adv
+    term = torch.maximum(by_unclipped, by_clipped)
+    # The slope of the branch taken: the unclipped one's (1, or 0 past delta), else the clamp's
+    # (1 inside the clip range). A tie is r inside the clip range (both slopes are 1 there, since
+    # delta > 1 + eps_high) or A = 0 (no gradient either way).
+    takes_unclipped = by_unclipped >= by_clipped
+    negative = x.adv < 0
+    if cfg.delta is None:
+        slope = takes_unclipped | (clamped == ratio)
+        # Without the cap, the clip zeroes the gradient exactly where it flags a token: r below
+        # the range with A < 0, or above it with A > 0 (A is 0 outside the response).
+        clipped = ~slope
+        low = clipped & negative
+        flags = dict(clipped_low=low, clipped_high=clipped ^ low, clipped=clipped)
+    else:
+        slope = torch.where(takes_unclipped, ratio <= cfg.delta, clamped == ratio)
+        flags = dict(clipped_low=(ratio < lo) & negative, clipped_high=(ratio > hi) & (x.adv > 0))
+    d_ratio = neg_adv * slope
     if cfg.clip_ratio_c is not None:
-        term = torch.where(x.adv < 0, torch.minimum(term, -cfg.clip_ratio_c * x.adv), term)
-    ratio = x.ratio.detach()
-    return PolicyTerm(term, (ratio < lo) & (x.adv < 0), (ratio > hi) & (x.adv > 0))
+        floor = cfg.clip_ratio_c * neg_adv
+        dual = negative & (term > floor)
+        term = torch.where(dual, floor, term)
+        d_ratio = torch.where(dual, x.zero, d_ratio)
+    return PolicyTerm(term, d_ratio, None, **flags)
 
 
-def _cispo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+def _cispo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     """CISPO (MiniMax-M1): -sg[clip(r, 1-eps_low, 1+eps_high)] A logp, so every token keeps a
     gradient; verl's form. TRL's (clip(r, max=epsilon_high)) is eps_low = 1 - 1e-9 and
     1 + eps_high = TRL's epsilon_high. Flags: the weight was clipped, whatever the sign of A."""
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    ratio = x.ratio.detach()
-    return PolicyTerm(-ratio.clamp(lo, hi) * x.adv * x.logp, ratio < lo, ratio > hi)
+    weight = -ratio.clamp(lo, hi) * x.adv
+    return PolicyTerm(weight * x.logp, None, weight, x.mask & (ratio < lo), x.mask & (ratio > hi))
 
 
-def _sapo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+def _sapo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     """SAPO (Qwen): a soft gate for the hard clip, -sigmoid(tau (r - 1)) (4 / tau) A, with
     tau = sapo_tau_pos for A > 0 and sapo_tau_neg otherwise (TRL and verl alike). Never clips."""
-    tau = torch.where(x.adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(x.ratio.dtype)
-    term = -torch.sigmoid(tau * (x.ratio - 1.0)) * (4.0 / tau) * x.adv
+    tau = torch.where(x.adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    scaled_adv = (-4.0 * x.adv) / tau
     never = torch.zeros_like(x.mask)
-    return PolicyTerm(term, never, never)
+    # d sigmoid(u) / du = s (1 - s), times du / dr = tau.
+    return PolicyTerm(gate * scaled_adv, gate * (1.0 - gate) * tau * scaled_adv, None, never, never)
 
 
-def _gmpo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
-    """GMPO (verl's geo_mean): each token's log-ratio clipped to [-eps_low, eps_high] on the
-    pessimistic side of sign(A), then the sequence's geometric-mean ratio
-    R_i = exp(mean_t clipped log-ratio) and the term -mean_t(A) R_i on each of its tokens.
-    eps_low and eps_high are log-space bounds here (the paper: 0.4)."""
-    seg = x.segments
+def gmpo_log_ratio(cfg: GSPOConfig, x: PolicyInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GMPO's per-token log-ratio, clipped to [-eps_low, eps_high] on the pessimistic side of
+    sign(A), and its derivative by the unclipped one (1 where it is the log-ratio itself, else
+    0; 0 where A = 0)."""
     sign = torch.sign(x.adv)
     clamped = x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
     pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * clamped)
-    length = x.length
-    seq_ratio = torch.exp(x.clamp_log_ratio(seg.seq_sum(pessimistic) / length))
-    seq_adv = seg.seq_sum(x.adv) / length
-    term = torch.where(x.mask, seg.per_row(-seq_adv * seq_ratio), torch.zeros_like(x.adv))
-    clipped = x.log_ratio.detach() != clamped.detach()
-    return PolicyTerm(term, clipped & (x.adv < 0), clipped & (x.adv > 0))
+    return pessimistic, (pessimistic == x.log_ratio) & (sign != 0)
+
+
+def _gmpo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
+    """GMPO (verl's geo_mean): the sequence's geometric-mean ratio R_i of gmpo_log_ratio (the
+    level's ratio, built on it) and the term -mean_t(A) R_i on each of its tokens. eps_low and
+    eps_high are log-space bounds here (the paper: 0.4)."""
+    seg = x.segments
+    seq_adv = -seg.per_row(seg.seq_sum(x.adv) / x.length)
+    # The log-ratio is 0 outside the response, inside [-eps_low, eps_high]: never changed there.
+    changed = x.log_ratio != x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+    return PolicyTerm(seq_adv * ratio, seq_adv, None, changed & (x.adv < 0), changed & (x.adv > 0))
 
 
 # VESPO's bounds on log w (TRL's: log 1e-8 below, 20 above).
@@ -100,19 +139,20 @@ def vespo_phi(log_w, adv, k_pos: float, lambda_pos: float, k_neg: float, lambda_
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _vespo(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
+def _vespo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     """VESPO (TRL's vespo): -sg[phi(w)] A logp, w = exp(sum_t log-ratio) the sequence's product
     ratio (each token's log-ratio clamped to [-20, 20]) and phi the gamma weight of vespo_phi: a
     soft, asymmetric trust region in place of the clip. Never clips."""
     seg = x.segments
-    log_w = seg.per_row(seg.seq_sum(x.log_ratio.detach().clamp(-20.0, 20.0)))
+    log_w = seg.per_row(seg.seq_sum(x.log_ratio.clamp(-20.0, 20.0)))
     phi = vespo_phi(log_w, x.adv, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+    weight = -phi * x.adv
     never = torch.zeros_like(x.mask)
-    return PolicyTerm(-phi * x.adv * x.logp, never, never)
+    return PolicyTerm(weight * x.logp, None, weight, never, never)
 
 
 OBJECTIVES = {"clip": _clip, "cispo": _cispo, "sapo": _sapo, "gmpo": _gmpo, "vespo": _vespo}
 
 
-def policy_term(cfg: GSPOConfig, x: PolicyInputs) -> PolicyTerm:
-    return OBJECTIVES[cfg.objective](cfg, x)
+def policy_term(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
+    return OBJECTIVES[cfg.objective](cfg, x, ratio)

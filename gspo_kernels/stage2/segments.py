@@ -1,11 +1,15 @@
 """Which rows form which sequence: the only place that tells padded from packed.
 
-Both operations are deterministic and sync-free. Padded sums reduce a `[B, T]` view. Packed
+Per-token tensors keep the caller's token shape: `[B, T]` padded, `[N]` packed. A padded
+sequence is a row of the `[B, T]` tensor, so its sums are one `sum(dim=1)` and a per-sequence
+value reaches its tokens by broadcasting a `[B, 1]` view: no flattening, no gather, no copy
+(each of those is one more op to dispatch, which is what a small micro-batch pays for). Packed
 sums reduce each sequence's own rows (torch.segment_reduce over cu_seqlens, in float64): no
 atomics, and no value in one sequence can reach another. A running prefix sum would not
 isolate them (an inf in sequence 0 turns every later difference into inf - inf = NaN, and a
-huge finite value swallows the later sequences' digits). Broadcasting back to rows is a
-gather whose backward is the same segment sum, not an atomic scatter.
+huge finite value swallows the later sequences' digits).
+
+Stage 2 differentiates by hand (gradient.py), so nothing here needs a backward.
 
 Context parallelism lives here too: with a `group`, this rank holds a part of every
 sequence's rows, and every reduction over rows (per sequence, or over all tokens) is summed
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed.collectives import all_reduce_max, replicated_loss, replicated_sum
+from ..distributed.collectives import all_reduce_max, replicated_sum
 
 
 def _packed_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -26,20 +30,6 @@ def _packed_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     # inputs.py has validated cu_seqlens already (on the host, or by a device-side assert).
     sums = torch.segment_reduce(x.to(torch.float64), "sum", offsets=cu_seqlens, unsafe=True)
     return sums.to(x.dtype)
-
-
-class _PackedBroadcast(torch.autograd.Function):
-    """`[S]` -> `[N]`, each row taking its sequence's value; backward sums each sequence's rows."""
-
-    @staticmethod
-    def forward(ctx, values, seq_of_row, cu_seqlens):
-        ctx.save_for_backward(cu_seqlens)
-        return values.index_select(0, seq_of_row)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (cu_seqlens,) = ctx.saved_tensors
-        return _packed_sum(grad, cu_seqlens), None, None
 
 
 @dataclass(frozen=True)
@@ -63,36 +53,43 @@ class Segments:
         seq_of_row = seq_of_row.clamp_(max=cu_seqlens.numel() - 2)
         return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, seq_of_row=seq_of_row, group=group)
 
+    @property
+    def padded_layout(self) -> bool:
+        return self.rows_per_seq is not None
+
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """`[N]` (or `[N, k]`: k columns at once) per-row values -> `[S]` (`[S, k]`)
-        per-sequence sums (0 for an empty sequence), over every rank's part of the sequence."""
-        if self.rows_per_seq is not None:
-            local = x.reshape(self.num_seqs, self.rows_per_seq, *x.shape[1:]).sum(dim=1)
-        else:
-            local = _packed_sum(x, self.cu_seqlens)
+        """Per-token values (the token shape, optionally with a trailing column dim: k columns
+        at once) -> `[S]` (`[S, k]`) per-sequence sums (0 for an empty sequence), over every
+        rank's part of the sequence."""
+        local = x.sum(dim=1) if self.padded_layout else _packed_sum(x, self.cu_seqlens)
         return replicated_sum(local, self.group)
+
+    def seq_sums(self, columns, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """seq_sum of each per-token column (bool or float, all of the token shape), as `[S]`
+        tensors of `dtype`, in as few ops as the layout allows: one `sum(dim=1)` per padded
+        column, one stacked segment reduction (and one collective) for the rest."""
+        if self.padded_layout and self.group is None:
+            return tuple(c.sum(dim=1, dtype=dtype) for c in columns)
+        stacked = torch.stack(columns, dim=-1)
+        return self.seq_sum(stacked if self.padded_layout else stacked.to(torch.float64)).to(dtype).unbind(-1)
+
+    def per_row(self, v: torch.Tensor) -> torch.Tensor:
+        """`[S]` per-sequence values -> each token's sequence's value, broadcastable against the
+        token shape (`[B, 1]` padded, `[N]` packed)."""
+        if self.padded_layout:
+            return v.unsqueeze(1)
+        return v.index_select(0, self.seq_of_row)
 
     def reduce(self, local_sums: torch.Tensor) -> torch.Tensor:
         """Sums over this rank's rows (any shape) -> the sums over all ranks' rows."""
         return replicated_sum(local_sums, self.group)
 
-    def replicated_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The scalar loss every rank computed from the summed values (collectives.py says
-        why its gradient is divided by the group's size)."""
-        return replicated_loss(loss, self.group)
-
     def total(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of an `[N]` per-row tensor over every rank's rows."""
+        """The sum of a per-token tensor over every rank's rows."""
         return self.reduce(x.sum())
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
-        """The max of a non-negative `[N]` per-row tensor over every rank's rows (detached;
-        0 where no rank has a row)."""
-        local = x.detach().max() if x.numel() else x.new_zeros(())
+        """The max of a non-negative per-token tensor over every rank's rows (0 where no rank
+        has a row)."""
+        local = x.max() if x.numel() else x.new_zeros(())
         return all_reduce_max(local, self.group)
-
-    def per_row(self, v: torch.Tensor) -> torch.Tensor:
-        """`[S]` per-sequence values -> `[N]`, each row taking its sequence's value."""
-        if self.rows_per_seq is not None:
-            return v.unsqueeze(1).expand(self.num_seqs, self.rows_per_seq).reshape(-1)
-        return _PackedBroadcast.apply(v, self.seq_of_row, self.cu_seqlens)

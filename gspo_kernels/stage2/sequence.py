@@ -1,157 +1,188 @@
-"""Stage 2: the sequence math, on `[N]` and `[S]` tensors, the same for every backend.
+"""Stage 2: the sequence math, on per-token and `[S]` tensors, the same for every backend.
 
-Plain differentiable PyTorch: autograd turns the loss into dLoss/dlogp and dLoss/dH per row,
-which the token-stats Function hands to the gradient kernel. No host syncs and no
-data-dependent Python branches, so it traces under torch.compile(fullgraph=True). The policy
-term of each objective lives in objectives.py, the weights and selections that scale it in
-corrections.py; this module wires them together and aggregates.
+One no-grad pass gives the loss, its gradient g = dLoss/dlogp and h = dLoss/dH per token, and
+the metrics; gradient.py hands the loss to autograd with g and h attached, and the token-stats
+Function passes them to the gradient kernel. The loss is linear in each token's term once the
+detached weights are fixed:
+
+    loss = sum_t W_t * (C_t * F_t + beta * K_t - entropy_coef * H_t)
+
+W the aggregation weight (loss_agg, normalizer; 0 outside the response), C the corrections'
+detached weight, F the objective's policy term (objectives.py: a function of the level's
+importance ratio, ratio.py, and of logp), K the KL penalty (kl.py; times the ratio with
+use_bias_correction_kl). So
+
+    g_t = W_t (C_t dF_t/dlogp_t + beta dK_t/dlogp_t) + pull(W (C dF/dratio + beta dK/dratio))_t
+    h_t = -entropy_coef * W_t
+
+where pull is the level's chain from the ratio to the log-probs. No host syncs and no
+data-dependent Python branches, so it traces under torch.compile(fullgraph=True). Everything
+keeps the token shape (`[B, T]` padded, `[N]` packed): few ops, which is what a small
+micro-batch's host time is made of (gspo_kernels.bench.host counts them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from . import corrections
 from ..config import GSPOConfig
+from .gradient import attach_gradient
 from .inputs import LossBatch
-from .objectives import PolicyInputs, policy_term
+from .kl import kl_penalty
+from .objectives import PolicyInputs, gmpo_log_ratio, policy_term
+from .ratio import importance_ratio
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float | None = None):
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3).
-
-    With `clamp` (verl's k3 habit, applied to every estimator): the log-ratio is clamped to
-    [-20, 20] before k3's exp, and the estimate to [-clamp, clamp]."""
-    log_ratio = ref_logp - logp
-    if estimator == "k1":
-        kl = -log_ratio
-    elif estimator == "k2":
-        kl = 0.5 * log_ratio.square()
-    else:
-        if clamp is not None:
-            log_ratio = log_ratio.clamp(-20.0, 20.0)
-        kl = torch.expm1(log_ratio) - log_ratio
-    return kl if clamp is None else kl.clamp(-clamp, clamp)
+@dataclass(frozen=True)
+class _Counts:
+    tokens_per_seq: torch.Tensor  # [S], the response tokens of each sequence (every rank's)
+    length: torch.Tensor  # [S], tokens_per_seq clamped to >= 1
+    n_tokens: torch.Tensor  # 0-d, >= 1
+    n_seqs: torch.Tensor  # 0-d, the non-empty sequences, >= 1
+    seq_share: torch.Tensor  # [S], 1 / (length * n_seqs): a token's weight in a mean of sequence means
 
 
-def log_ratio_clamp(config: GSPOConfig):
-    """The configured clamp of a log-ratio before exp (config.log_ratio_clamp, default
-    [-20, 20]): a stale or wrong old log-prob then cannot overflow a ratio to inf, where
-    inf * (A = 0) would turn the whole loss into NaN; values inside are untouched."""
-    low, high = config.log_ratio_clamp
-    if low is None and high is None:
-        return lambda x: x
-    return lambda x: x.clamp(min=low, max=high)
+def _counts(tokens_per_seq: torch.Tensor) -> _Counts:
+    # Every row lies in a sequence, so the token count is the sum of the (already global)
+    # per-sequence counts: no second reduction across ranks.
+    length = tokens_per_seq.clamp(min=1)
+    n_tokens, n_seqs = torch.stack((tokens_per_seq, tokens_per_seq > 0)).sum(dim=1).clamp(min=1).unbind(0)
+    return _Counts(tokens_per_seq, length, n_tokens, n_seqs, (length * n_seqs).reciprocal())
 
 
-def _importance_ratio(config: GSPOConfig, batch: LossBatch, logp, log_ratio, seq_log_ratio, clamp):
-    seg = batch.segments
-    if config.level == "sequence":
-        return seg.per_row(torch.exp(clamp(seq_log_ratio)))
-    if config.level == "sequence_token":
-        # Value s_i, gradient of exp(logp_t): each token carries its own advantage's weight.
-        # The combined log-ratio is clamped, as verl does. (A -inf log-prob would make
-        # logp - sg[logp] NaN; its ratio is s_i, its gradient 0.)
-        unit = torch.where(torch.isfinite(logp), logp - logp.detach(), torch.zeros_like(logp))
-        return torch.exp(clamp(seg.per_row(seq_log_ratio.detach()) + unit))
-    return torch.exp(clamp(log_ratio))
-
-
-def _aggregate(config: GSPOConfig, batch: LossBatch, per_token, x: PolicyInputs):
+def _aggregation_weight(config: GSPOConfig, batch: LossBatch, counts: _Counts):
+    """W of each token as a number, a 0-d or an `[S]` per-sequence tensor (0 outside the
+    response is applied by the caller): the loss is sum_t W_t * term_t."""
+    normalizer = batch.normalizer
     if config.loss_agg in ("token-mean", "token-sum"):
-        # Every row lies in a sequence, so the token count is the sum of the (already global)
-        # per-sequence counts: no second reduction across ranks.
-        count = x.n_tokens if config.loss_agg == "token-mean" else 1.0
-        denom = batch.normalizer if batch.normalizer is not None else count
-        return batch.segments.total(per_token) / denom
-    per_seq = batch.segments.seq_sum(per_token)
-    if config.loss_agg == "seq-mean-token-mean":
-        per_seq = per_seq / x.length
-    elif config.loss_agg == "seq-mean-token-sum-norm":
-        per_seq = per_seq / batch.horizon
-    if batch.normalizer is not None:
-        return per_seq.sum() / batch.normalizer
-    return per_seq.sum() / (x.tokens_per_seq > 0).sum().clamp(min=1).to(per_seq.dtype)
+        if normalizer is not None:
+            return 1.0 / normalizer
+        return counts.n_tokens.reciprocal() if config.loss_agg == "token-mean" else 1.0
+    if normalizer is None:
+        if config.loss_agg == "seq-mean-token-mean":
+            return counts.seq_share
+        per_seq = counts.n_seqs
+    else:
+        per_seq = normalizer
+        if config.loss_agg == "seq-mean-token-mean":
+            return (counts.length * normalizer).reciprocal()
+    if config.loss_agg == "seq-mean-token-sum-norm":
+        per_seq = per_seq * batch.horizon
+    return 1.0 / per_seq
 
 
-def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
-    """(loss, metrics) from per-row log-probs and entropies (`[N]`, autograd-connected)."""
-    dtype = logp.dtype
-    mask = batch.mask
-    mask_f = mask.to(dtype)
+def _times(x, weight):
+    return x if weight is None or x is None else x * weight
+
+
+def _plus(x, y):
+    return y if x is None else x if y is None else x + y
+
+
+def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
+    dtype, mask, seg = logp.dtype, batch.mask, batch.segments
     zero = torch.zeros((), dtype=dtype, device=logp.device)
 
-    # Zero every per-row input outside the response first: a NaN from a padding row (e.g. an
-    # out-of-range pad id) would otherwise reach the gradient through 0 * NaN.
+    # Zero every per-token input outside the response first: a NaN from a padding row (e.g. an
+    # out-of-range pad id) would otherwise reach the loss or the gradient through 0 * NaN.
     def response_only(x):
         return torch.where(mask, x.to(dtype), zero)
 
-    logp_r = response_only(logp)
-    entropy_r = response_only(entropy)
-    old = logp_r.detach() if batch.old_logprobs is None else response_only(batch.old_logprobs)
-    log_ratio = logp_r - old
-    clamp = log_ratio_clamp(config)
-
-    seg = batch.segments
-    tokens_per_seq = seg.seq_sum(mask_f)
-    length = tokens_per_seq.clamp(min=1)
-    seq_log_ratio = seg.seq_sum(log_ratio) / length
-    ratio = _importance_ratio(config, batch, logp_r, log_ratio, seq_log_ratio, clamp)
+    needs_logp = config.objective in ("cispo", "vespo") or config.level == "sequence_token" or \
+        batch.ref_logprobs is not None or config.off_policy_mask_threshold is not None
+    logp_r = response_only(logp) if needs_logp else None
+    if batch.old_logprobs is None:  # on-policy: old = sg[logp], the log-ratio is 0
+        old = logp_r if logp_r is not None else response_only(logp)
+        log_ratio = torch.zeros_like(old)
+    else:
+        old = response_only(batch.old_logprobs)
+        log_ratio = response_only(logp - batch.old_logprobs.to(dtype))
+    tokens_per_seq, seq_log_ratio_sum = seg.seq_sums((mask, log_ratio), dtype)
+    counts = _counts(tokens_per_seq)
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
+    x = PolicyInputs(logp_r, log_ratio, adv, mask, seg, counts.tokens_per_seq, counts.length, counts.n_tokens,
+                     config.log_ratio_clamp, zero)
 
-    # Every rank's tokens already: tokens_per_seq is a global per-sequence sum.
-    inputs = PolicyInputs(logp_r, log_ratio, ratio, adv, mask, seg, tokens_per_seq, clamp, length,
-                          tokens_per_seq.sum().clamp(min=1))
-    term = policy_term(config, inputs)
+    seq_log_ratio = seq_log_ratio_sum / counts.length
+    ratio = importance_ratio(config.level, x, seq_log_ratio)
+    # GMPO's ratio is its own geometric mean; the KL's bias correction keeps the level's.
+    policy_ratio = importance_ratio(config.level, x, seq_log_ratio, gmpo_log_ratio(config, x)) \
+        if config.objective == "gmpo" else ratio
+    term = policy_term(config, x, policy_ratio.value)
+    entropy_r = response_only(entropy)
     rollout = None if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
-    per_token, extra = corrections.apply(config, inputs, term.per_token, old, rollout, entropy_r,
-                                         batch.entropy_threshold)
+    weight, extra = corrections.apply(config, x, old, rollout, entropy_r, batch.entropy_threshold)
     if batch.token_weights is not None:  # weights computed elsewhere (e.g. verl's rollout_is_weights)
-        per_token = per_token * response_only(batch.token_weights)
+        weight = _times(response_only(batch.token_weights), weight)
 
+    per_token = _times(term.value, weight)
+    d_logp, d_policy_ratio = _times(term.d_logp, weight), _times(term.d_ratio, weight)
+    d_ratio = None if policy_ratio is not ratio else d_policy_ratio
     kl = None
     if batch.ref_logprobs is not None:
-        kl = response_only(kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator, config.kl_clamp))
+        kl, d_kl = kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator, config.kl_clamp)
         if config.use_bias_correction_kl:
             # TRL's bias correction weights the KL by the (differentiable) importance ratio; the
             # kl metric reads this corrected estimate too, as TRL's does.
-            kl = kl * ratio
-        if config.beta > 0:
+            if config.beta > 0:
+                d_logp = _plus(d_logp, config.beta * d_kl * ratio.value)
+                d_ratio = _plus(d_ratio, config.beta * kl)
+            kl = kl * ratio.value
+        elif config.beta > 0:
+            d_logp = _plus(d_logp, config.beta * d_kl)
+        if config.beta > 0:  # beta = 0: KL is a metric only; an infinite one leaves the loss alone
             per_token = per_token + config.beta * kl
     if config.entropy_coef != 0.0:
         per_token = per_token - config.entropy_coef * entropy_r
-    per_token = response_only(per_token)
 
-    loss = seg.replicated_loss(_aggregate(config, batch, per_token, inputs))
-    metrics = _metrics(batch, logp, entropy, entropy_r, term, torch.exp(clamp(seq_log_ratio)), kl, mask_f, inputs)
+    w = _aggregation_weight(config, batch, counts)
+    # W is finite, so times the bool mask it is an exact 0 outside the response.
+    w_tok = mask * (seg.per_row(w) if isinstance(w, torch.Tensor) and w.dim() else w)
+    g = _times(d_logp, w_tok)
+    if d_ratio is not None:
+        g = _plus(g, ratio.pull(x, w_tok * d_ratio))
+    if policy_ratio is not ratio:
+        g = _plus(g, policy_ratio.pull(x, w_tok * d_policy_ratio))
+    g = torch.where(mask, g, zero)
+    h = None if config.entropy_coef == 0.0 else w_tok * -config.entropy_coef
+    metrics = _metrics(batch, term, ratio.seq_ratio, entropy_r, kl, counts)
     metrics.update(extra)
-    return loss, metrics
+    return w_tok * per_token, g, h, metrics
 
 
-@torch.no_grad()
-def _metrics(batch, logp, entropy, entropy_r, term, seq_ratio, kl, mask_f, x: PolicyInputs):
-    mask = batch.mask
-    low, high = mask & term.clipped_low, mask & term.clipped_high
-    seg = batch.segments
-    # Every token mean and every per-sequence share comes from one per-sequence sum of stacked
+def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
+    """(loss, metrics) from per-token log-probs and entropies of the token shape (autograd-
+    connected: the loss's gradient reaches them)."""
+    with torch.no_grad():
+        logp_d, entropy_d = logp.detach(), entropy.detach()
+        weighted, g, h, metrics = _evaluate(config, batch, logp_d, entropy_d)
+    metrics = {"token_logprobs": logp_d.float(), "entropy": entropy_d.float(), **metrics}
+    return attach_gradient(weighted, batch.segments.total, logp, entropy, g, h), metrics
+
+
+def _metrics(batch: LossBatch, term, seq_ratio, entropy_r, kl, counts: _Counts):
+    low, high = term.clipped_low, term.clipped_high
+    clipped = low | high if term.clipped is None else term.clipped
+    # Every token mean and every per-sequence share from one per-sequence sum of stacked
     # columns (one reduction, and one collective across context-parallel ranks).
-    columns = [low | high, low, high, entropy_r] + ([] if kl is None else [kl])
-    per_seq = seg.seq_sum(torch.stack([c.to(mask_f.dtype) for c in columns], dim=1))
-    means = (per_seq.sum(0) / x.n_tokens).float().unbind(0)
+    columns = [clipped, low, high, entropy_r] + ([] if kl is None else [kl])
+    by_column = batch.segments.seq_sum(torch.stack(columns, dim=-1).to(entropy_r.dtype)).T
+    means = (by_column.sum(1) / counts.n_tokens).float().unbind(0)
     # TRL's per-sequence view: each non-empty sequence's share of clipped tokens, averaged over
-    # the non-empty sequences (an empty one has a share of 0 / 1 = 0).
-    shares = (per_seq[:, 1:3] / x.length.unsqueeze(1)).sum(0)
-    seq_shares = (shares / (x.tokens_per_seq > 0).sum().clamp(min=1)).float().unbind(0)
+    # the non-empty sequences (an empty one has a share of 0 / 1 = 0). The other columns' shares
+    # come along unread: one product is fewer ops than a slice and a product.
+    seq_shares = by_column.mv(counts.seq_share).float().unbind(0)
     metrics = {
-        "token_logprobs": logp.detach().float().reshape(batch.token_shape),
-        "entropy": entropy.detach().float().reshape(batch.token_shape),
-        "seq_ratio": seq_ratio.detach().float(),
+        "seq_ratio": seq_ratio.float(),
         "clip_frac": means[0],
         "clip_frac_low": means[1],
         "clip_frac_high": means[2],
-        "seq_clip_frac_low": seq_shares[0],
-        "seq_clip_frac_high": seq_shares[1],
+        "seq_clip_frac_low": seq_shares[1],
+        "seq_clip_frac_high": seq_shares[2],
         "entropy_mean": means[3],
     }
     if kl is not None:

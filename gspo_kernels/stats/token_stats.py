@@ -108,7 +108,7 @@ def selective_log_softmax(
     check_backend(backend)
     layout = TokenLayout.of_logits(logits)
     targets_flat = check_targets(target_ids, layout)
-    row_mask = None if mask is None else check_mask(mask, layout)
+    row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard)
