@@ -82,8 +82,8 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
                           ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
                           entropy_threshold=entropy_threshold, cp_group=cp_group)
     how = LinearPass.of(linear, config.temperature, config.backend, rows, weight, tp_group, vocab_start)
-    logp, entropy = _token_stats(rows, weight, bias, batch.targets, batch.mask, how)
-    return gspo_objective(config, batch, logp, entropy)
+    logp, entropy = _token_stats(rows, weight, bias, batch.targets, batch.row_mask, how)
+    return gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
 
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
@@ -98,7 +98,7 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     rows = _check_linear(hidden, weight, bias)
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
     targets_flat = check_targets(target_ids, layout)
-    row_mask = None if mask is None else check_mask(mask, layout)
+    row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
     how = LinearPass.of(linear, temperature, backend, rows, weight, tp_group, vocab_start)
     logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, how)
     logp = logp.reshape(target_ids.shape)
