@@ -128,7 +128,8 @@ def check_mask(value, layout: TokenLayout) -> torch.Tensor:
     return t != 0
 
 
-def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> None:
+def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> bool:
+    """Checks cu_seqlens; True when that was done on the host (so it is known valid now)."""
     if cu.device.type == "cpu" and not torch.compiler.is_compiling():
         bounds = cu.tolist()  # a CPU tensor's values, read without dispatching an op
         if bounds[0] != 0:
@@ -137,9 +138,10 @@ def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> None:
             raise ValueError("cu_seqlens must be non-decreasing")
         if bounds[-1] != rows:
             raise ValueError(f"cu_seqlens must end at N = {rows} (the number of logits rows); got {bounds[-1]}")
-        return
+        return True
     valid = (cu[0] == 0) & (cu[-1] == rows) & (cu[1:] >= cu[:-1]).all()
     torch._assert_async(valid, "cu_seqlens must start at 0, be non-decreasing and end at N")
+    return False
 
 
 def _segments(layout: TokenLayout, cu_seqlens, cp_group) -> Segments:
@@ -159,8 +161,8 @@ def _segments(layout: TokenLayout, cu_seqlens, cp_group) -> Segments:
         raise TypeError(f"cu_seqlens must be int32 or int64; got {cu.dtype}")
     if cu.device != layout.device and cu.device.type != "cpu":
         raise ValueError(f"cu_seqlens is on {cu.device} but logits are on {layout.device}")
-    _check_cu_seqlens(cu, layout.rows)
-    return Segments.packed(cu.to(device=layout.device, dtype=torch.int64), layout.rows, cp_group)
+    valid = _check_cu_seqlens(cu, layout.rows)
+    return Segments.packed(cu.to(device=layout.device, dtype=torch.int64), layout.rows, cp_group, valid)
 
 
 def _advantages(value, segments: Segments, token_shape, device) -> tuple[torch.Tensor, bool]:

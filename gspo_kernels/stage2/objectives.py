@@ -65,10 +65,12 @@ def _clip(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     takes_unclipped = by_unclipped >= by_clipped
     negative = x.adv < 0
     if cfg.delta is None:
-        slope = takes_unclipped | (clamped == ratio)
-        # Without the cap, the clip zeroes the gradient exactly where it flags a token: r below
-        # the range with A < 0, or above it with A > 0 (A is 0 outside the response).
-        clipped = ~slope
+        # Without the cap, the clipped branch wins strictly, (c - r)(-A) > 0, exactly where the
+        # clip flags a token: r below the range with A < 0, or above it with A > 0 (A is 0
+        # outside the response). There the clamp's slope is 0; everywhere else the unclipped
+        # branch is taken (or tied), with slope 1.
+        slope = takes_unclipped
+        clipped = ~takes_unclipped
         low = clipped & negative
         flags = dict(clipped_low=low, clipped_high=clipped ^ low, clipped=clipped)
     else:

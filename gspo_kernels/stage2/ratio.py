@@ -35,7 +35,7 @@ def _where_passes(slope: torch.Tensor, passes) -> torch.Tensor:
 @dataclass(frozen=True)
 class ImportanceRatio:
     value: torch.Tensor  # per token (broadcastable to the token shape)
-    seq_ratio: torch.Tensor  # [S] s_i, reported as a metric at every level
+    seq_ratio: torch.Tensor  # s_i per sequence (seq_sum's shape), reported as a metric at every level
     slope: torch.Tensor  # token levels: dr_t / dlogp_t; sequence: ds_i / d(sum_t lr_t), per sequence
     token_slope: torch.Tensor | bool = True  # sequence level: d lr_t / d logp_t (GMPO's clip)
     per_sequence: bool = False

@@ -1,9 +1,10 @@
 """Which rows form which sequence: the only place that tells padded from packed.
 
-Per-token tensors keep the caller's token shape: `[B, T]` padded, `[N]` packed. A padded
-sequence is a row of the `[B, T]` tensor, so its sums are one `sum(dim=1)` and a per-sequence
-value reaches its tokens by broadcasting a `[B, 1]` view: no flattening, no gather, no copy
-(each of those is one more op to dispatch, which is what a small micro-batch pays for). Packed
+Per-token tensors keep the caller's token shape: `[B, T]` padded, `[N]` packed. Per-sequence
+values are `[B, 1]` padded (a sequence is a row of the `[B, T]` tensor: its sum is one
+`sum(dim=1, keepdim=True)`, and the value reaches its tokens by broadcasting, no op at all) and
+`[S]` packed (reaching the tokens by one gather). No flattening, no expanding, no copy: each
+would be one more op to dispatch, which is what a small micro-batch pays for. Packed
 sums reduce each sequence's own rows (torch.segment_reduce over cu_seqlens, in float64): no
 atomics, and no value in one sequence can reach another. A running prefix sum would not
 isolate them (an inf in sequence 0 turns every later difference into inf - inf = NaN, and a
@@ -45,12 +46,13 @@ class Segments:
         return Segments(num_seqs=batch, rows_per_seq=seq_len, group=group)
 
     @staticmethod
-    def packed(cu_seqlens: torch.Tensor, rows: int, group=None) -> "Segments":
+    def packed(cu_seqlens: torch.Tensor, rows: int, group=None, known_valid: bool = False) -> "Segments":
         row_ids = torch.arange(rows, device=cu_seqlens.device)
         seq_of_row = torch.searchsorted(cu_seqlens[1:], row_ids, right=True)
-        # Rows past the last boundary can only come from an invalid cu_seqlens (which fails its
-        # check); clamping keeps the gather in bounds even then.
-        seq_of_row = seq_of_row.clamp_(max=cu_seqlens.numel() - 2)
+        if not known_valid:
+            # Rows past the last boundary can only come from an invalid cu_seqlens, whose
+            # device-side check fails later; clamping keeps the gather in bounds until then.
+            seq_of_row = seq_of_row.clamp_(max=cu_seqlens.numel() - 2)
         return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, seq_of_row=seq_of_row, group=group)
 
     @property
@@ -58,27 +60,40 @@ class Segments:
         return self.rows_per_seq is not None
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token values (the token shape, optionally with a trailing column dim: k columns
-        at once) -> `[S]` (`[S, k]`) per-sequence sums (0 for an empty sequence), over every
-        rank's part of the sequence."""
+        """Per-token values (the token shape) -> per-sequence sums (`[B, 1]` padded, `[S]`
+        packed; 0 for an empty sequence), over every rank's part of the sequence. With a
+        trailing column dim (k columns at once): `[B, 1, k]` padded, `[S, k]` packed."""
+        local = x.sum(dim=1, keepdim=True) if self.padded_layout else _packed_sum(x, self.cu_seqlens)
+        return replicated_sum(local, self.group)
+
+    def column_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """k per-token columns (the token shape plus k) -> their per-sequence sums `[S, k]`."""
         local = x.sum(dim=1) if self.padded_layout else _packed_sum(x, self.cu_seqlens)
         return replicated_sum(local, self.group)
 
     def seq_sums(self, columns, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """seq_sum of each per-token column (bool or float, all of the token shape), as `[S]`
-        tensors of `dtype`, in as few ops as the layout allows: one `sum(dim=1)` per padded
-        column, one stacked segment reduction (and one collective) for the rest."""
+        """seq_sum of each per-token column (bool or float, all of the token shape) in `dtype`,
+        in as few ops as the layout allows: one sum per padded column, one stacked segment
+        reduction (and one collective) for the rest."""
         if self.padded_layout and self.group is None:
-            return tuple(c.sum(dim=1, dtype=dtype) for c in columns)
+            return tuple(c.sum(dim=1, keepdim=True, dtype=dtype) for c in columns)
         stacked = torch.stack(columns, dim=-1)
         return self.seq_sum(stacked if self.padded_layout else stacked.to(torch.float64)).to(dtype).unbind(-1)
 
     def per_row(self, v: torch.Tensor) -> torch.Tensor:
-        """`[S]` per-sequence values -> each token's sequence's value, broadcastable against the
-        token shape (`[B, 1]` padded, `[N]` packed)."""
+        """Per-sequence values (seq_sum's shape, or `[S]`) -> each token's sequence's value,
+        broadcastable against the token shape (`[B, 1]` padded, `[N]` packed)."""
         if self.padded_layout:
-            return v.unsqueeze(1)
+            return v if v.dim() == 2 else v.unsqueeze(1)
         return v.index_select(0, self.seq_of_row)
+
+    def per_sequence(self, v: torch.Tensor) -> torch.Tensor:
+        """Per-sequence values as `[S]`."""
+        return v.view(-1) if self.padded_layout else v
+
+    def as_column(self, v: torch.Tensor) -> torch.Tensor:
+        """Per-sequence values as `[S, 1]`, to scale column_sums' rows."""
+        return v if self.padded_layout else v.unsqueeze(1)
 
     def reduce(self, local_sums: torch.Tensor) -> torch.Tensor:
         """Sums over this rank's rows (any shape) -> the sums over all ranks' rows."""

@@ -38,19 +38,20 @@ from .ratio import importance_ratio
 
 @dataclass(frozen=True)
 class _Counts:
-    tokens_per_seq: torch.Tensor  # [S], the response tokens of each sequence (every rank's)
-    length: torch.Tensor  # [S], tokens_per_seq clamped to >= 1
+    # Per-sequence tensors have Segments.seq_sum's shape ([B, 1] padded, [S] packed).
+    tokens_per_seq: torch.Tensor  # the response tokens of each sequence (every rank's)
+    length: torch.Tensor  # tokens_per_seq clamped to >= 1
     n_tokens: torch.Tensor  # 0-d, >= 1
-    n_seqs: torch.Tensor  # 0-d, the non-empty sequences, >= 1
-    seq_share: torch.Tensor  # [S], 1 / (length * n_seqs): a token's weight in a mean of sequence means
+    n_seqs: torch.Tensor  # 0-d int64, the non-empty sequences, >= 1
+    seq_share: torch.Tensor  # 1 / (length * n_seqs): a token's weight in a mean of sequence means
 
 
 def _counts(tokens_per_seq: torch.Tensor) -> _Counts:
     # Every row lies in a sequence, so the token count is the sum of the (already global)
     # per-sequence counts: no second reduction across ranks.
     length = tokens_per_seq.clamp(min=1)
-    n_tokens, n_seqs = torch.stack((tokens_per_seq, tokens_per_seq > 0)).sum(dim=1).clamp(min=1).unbind(0)
-    return _Counts(tokens_per_seq, length, n_tokens, n_seqs, (length * n_seqs).reciprocal())
+    n_seqs = torch.count_nonzero(tokens_per_seq).clamp(min=1)
+    return _Counts(tokens_per_seq, length, tokens_per_seq.sum().clamp(min=1), n_seqs, (length * n_seqs).reciprocal())
 
 
 def _aggregation_weight(config: GSPOConfig, batch: LossBatch, counts: _Counts):
@@ -64,7 +65,7 @@ def _aggregation_weight(config: GSPOConfig, batch: LossBatch, counts: _Counts):
     if normalizer is None:
         if config.loss_agg == "seq-mean-token-mean":
             return counts.seq_share
-        per_seq = counts.n_seqs
+        per_seq = counts.n_seqs.to(counts.length.dtype)
     else:
         per_seq = normalizer
         if config.loss_agg == "seq-mean-token-mean":
@@ -149,7 +150,9 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
         g = _plus(g, policy_ratio.pull(x, w_tok * d_policy_ratio))
     g = torch.where(mask, g, zero)
     h = None if config.entropy_coef == 0.0 else w_tok * -config.entropy_coef
-    metrics = _metrics(batch, term, ratio.seq_ratio, entropy_r, kl, counts)
+    # With the default aggregation W is each token's share in a mean of sequence means.
+    share = w_tok if w is counts.seq_share else None
+    metrics = _metrics(batch, term, ratio.seq_ratio, entropy_r, kl, counts, share)
     metrics.update(extra)
     return w_tok * per_token, g, h, metrics
 
@@ -164,20 +167,28 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
     return attach_gradient(weighted, batch.segments.total, logp, entropy, g, h), metrics
 
 
-def _metrics(batch: LossBatch, term, seq_ratio, entropy_r, kl, counts: _Counts):
+def _metrics(batch: LossBatch, term, seq_ratio, entropy_r, kl, counts: _Counts, share_per_token):
     low, high = term.clipped_low, term.clipped_high
     clipped = low | high if term.clipped is None else term.clipped
-    # Every token mean and every per-sequence share from one per-sequence sum of stacked
-    # columns (one reduction, and one collective across context-parallel ranks).
-    columns = [clipped, low, high, entropy_r] + ([] if kl is None else [kl])
-    by_column = batch.segments.seq_sum(torch.stack(columns, dim=-1).to(entropy_r.dtype)).T
-    means = (by_column.sum(1) / counts.n_tokens).float().unbind(0)
-    # TRL's per-sequence view: each non-empty sequence's share of clipped tokens, averaged over
-    # the non-empty sequences (an empty one has a share of 0 / 1 = 0). The other columns' shares
-    # come along unread: one product is fewer ops than a slice and a product.
-    seq_shares = by_column.mv(counts.seq_share).float().unbind(0)
+    columns = torch.stack([clipped, low, high, entropy_r] + ([] if kl is None else [kl]), dim=-1).to(entropy_r.dtype)
+    # Every token mean is a column sum over tokens, and TRL's per-sequence view of the clip
+    # fractions (each non-empty sequence's share of clipped tokens, averaged over the non-empty
+    # sequences) is a product with each token's share 1 / (|y_i| * non-empty sequences). Padded,
+    # per-sequence sums come first (one reduction; one collective across context-parallel
+    # ranks); packed, where a segment sum costs three ops, the product runs over the tokens.
+    # The other columns' shares come along unread: one product is fewer ops than a slice and one.
+    seg = batch.segments
+    if seg.padded_layout or seg.group is not None:
+        per_seq = seg.column_sums(columns)
+        means = per_seq.sum(0) / counts.n_tokens
+        shares = (per_seq * seg.as_column(counts.seq_share)).sum(0)
+    else:
+        by_column = columns.T
+        means = by_column.sum(1) / counts.n_tokens
+        shares = by_column.mv(seg.per_row(counts.seq_share) if share_per_token is None else share_per_token)
+    means, seq_shares = means.float().unbind(0), shares.float().unbind(0)
     metrics = {
-        "seq_ratio": seq_ratio.float(),
+        "seq_ratio": seg.per_sequence(seq_ratio).float(),
         "clip_frac": means[0],
         "clip_frac_low": means[1],
         "clip_frac_high": means[2],

@@ -39,7 +39,9 @@ class TokenStatsFunction(torch.autograd.Function):
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)
-        ctx.save_for_backward(logits, targets, lse, entropy, row_mask, owned)
+        # entropy is an output: saved as itself, autograd would detach it once to save and once
+        # to unpack; a detached alias costs the one op.
+        ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned)
         ctx.shard = shard
         ctx.inv_temperature = inv_temperature
         ctx.backend_name = backend_name
