@@ -30,7 +30,7 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool,
-                shard: VocabShard | None):
+                shard: VocabShard | None, out_shape: torch.Size | None):
         backend = backends.get(backend_name)
         inv_temperature = 1.0 / temperature
         owned = None
@@ -39,20 +39,23 @@ class TokenStatsFunction(torch.autograd.Function):
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)
-        # entropy is an output: saved as itself, autograd would detach it once to save and once
-        # to unpack; a detached alias costs the one op.
-        ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned)
+        # Saving an output costs autograd a detach to save and one to unpack; the outputs are
+        # views of the kernel's rows when they take the token shape, else a detached alias is saved.
+        saved_entropy = entropy if out_shape is not None else entropy.detach()
+        ctx.save_for_backward(logits, targets, lse, saved_entropy, row_mask, owned)
         ctx.shard = shard
         ctx.inv_temperature = inv_temperature
         ctx.backend_name = backend_name
         ctx.inplace = inplace
         # Unused outputs arrive as None, so stage 3 can skip the entropy term entirely.
         ctx.set_materialize_grads(False)
-        return logp, entropy
+        if out_shape is None:
+            return logp, entropy
+        return logp.view(out_shape), entropy.view(out_shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        no_grads = (None,) * 7
+        no_grads = (None,) * 8
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
         logits, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
@@ -68,10 +71,13 @@ class TokenStatsFunction(torch.autograd.Function):
 
 
 def token_stats(logits, targets_flat, temperature: float, backend_name: str, inplace: bool = False,
-                row_mask: torch.Tensor | None = None, shard: VocabShard | None = None):
-    """Stage 1 with autograd: `[N]` logp and entropy in float32 (float64 for float64 logits).
-    With a vocab shard the logits are this rank's slice and the results are the global ones."""
-    return TokenStatsFunction.apply(logits, targets_flat, row_mask, temperature, backend_name, inplace, shard)
+                row_mask: torch.Tensor | None = None, shard: VocabShard | None = None,
+                out_shape: torch.Size | None = None):
+    """Stage 1 with autograd: `[N]` logp and entropy in float32 (float64 for float64 logits),
+    or of `out_shape` (the token shape). With a vocab shard the logits are this rank's slice
+    and the results are the global ones."""
+    return TokenStatsFunction.apply(logits, targets_flat, row_mask, temperature, backend_name, inplace, shard,
+                                    out_shape)
 
 
 def selective_log_softmax(
@@ -113,8 +119,5 @@ def selective_log_softmax(
     row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
-    logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard)
-    logp = logp.reshape(target_ids.shape)
-    if return_entropy:
-        return logp, entropy.reshape(target_ids.shape)
-    return logp
+    logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard, target_ids.shape)
+    return (logp, entropy) if return_entropy else logp

@@ -9,10 +9,16 @@ def upstream_grads(grad_logp, grad_entropy, lse):
     """The autograd gradients of (logp, entropy) as the kernels take them: contiguous rows in
     lse's dtype (autograd may hand over expanded, stride-0 ones), a zero grad_logp for None,
     and grad_entropy left None so that stage 3 skips the entropy term."""
-    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else _as_rows(grad_logp, lse)
     if grad_entropy is not None:
-        grad_entropy = grad_entropy.to(lse.dtype).contiguous()
+        grad_entropy = _as_rows(grad_entropy, lse)
     return grad_logp, grad_entropy
+
+
+def _as_rows(grad: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A gradient of the token shape as lse's contiguous `[N]` rows (no op where it is one)."""
+    grad = grad.to(lse.dtype).contiguous()
+    return grad if grad.shape == lse.shape else grad.reshape(lse.shape)
 
 
 def nan_lse_for_bad_targets(lse: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
