@@ -36,7 +36,6 @@ class PolicyInputs:
     length: torch.Tensor  # [S], tokens_per_seq clamped to >= 1 (the divisor of per-sequence means)
     n_tokens: torch.Tensor  # 0-d, the response tokens of the whole batch, >= 1
     log_ratio_bounds: tuple  # (low, high) of config.log_ratio_clamp, None for an open side
-    zero: torch.Tensor  # 0-d, the dtype's zero (one tensor for every torch.where)
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def _clip(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
         floor = cfg.clip_ratio_c * neg_adv
         dual = negative & (term > floor)
         term = torch.where(dual, floor, term)
-        d_ratio = torch.where(dual, x.zero, d_ratio)
+        d_ratio = d_ratio.masked_fill(dual, 0.0)
     return PolicyTerm(term, d_ratio, None, **flags)
 
 

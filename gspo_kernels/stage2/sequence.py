@@ -85,12 +85,12 @@ def _plus(x, y):
 
 def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
     dtype, mask, seg = logp.dtype, batch.mask, batch.segments
-    zero = torch.zeros((), dtype=dtype, device=logp.device)
 
     # Zero every per-token input outside the response first: a NaN from a padding row (e.g. an
-    # out-of-range pad id) would otherwise reach the loss or the gradient through 0 * NaN.
+    # out-of-range pad id) would otherwise reach the loss or the gradient through 0 * NaN. The
+    # mask is its own zero there (False promotes to 0.0): no zero tensor to make.
     def response_only(x):
-        return torch.where(mask, x.to(dtype), zero)
+        return torch.where(mask, x.to(dtype), mask)
 
     needs_logp = config.objective in ("cispo", "vespo") or config.level == "sequence_token" or \
         batch.ref_logprobs is not None or config.off_policy_mask_threshold is not None
@@ -106,7 +106,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
     x = PolicyInputs(logp_r, log_ratio, adv, mask, seg, counts.tokens_per_seq, counts.length, counts.n_tokens,
-                     config.log_ratio_clamp, zero)
+                     config.log_ratio_clamp)
 
     seq_log_ratio = seq_log_ratio_sum / counts.length
     ratio = importance_ratio(config.level, x, seq_log_ratio)
@@ -148,7 +148,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
         g = _plus(g, ratio.pull(x, w_tok * d_ratio))
     if policy_ratio is not ratio:
         g = _plus(g, policy_ratio.pull(x, w_tok * d_policy_ratio))
-    g = torch.where(mask, g, zero)
+    g = response_only(g)
     h = None if config.entropy_coef == 0.0 else w_tok * -config.entropy_coef
     # With the default aggregation W is each token's share in a mean of sequence means.
     share = w_tok if w is counts.seq_share else None
