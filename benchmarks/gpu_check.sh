@@ -13,6 +13,10 @@
 # sanitizer, NCCL, tests) and then "bench" (build again, a no-op on a warm machine; benchmarks)
 # as two calls, each with timeout_s ~ 540.
 #   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
+#   trainers:    the "check" part's trainer step needs TRL, verl and what they import, which that
+#                machine lacks: here, `bash benchmarks/gpu_wheels.sh` (fills the git-ignored .whl/,
+#                about 30 MiB of the 64 MiB that travels), then run with carry [".whl"]; without
+#                them the step prints SKIPPED and the rest still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -59,6 +63,12 @@ step "test suite on the GPU"
 # The GPU backends only (the cpu and torch ones ran in CI): the row rule, packed isolation,
 # precision probes and the objective grid included.
 timeout 240 "$PY" -m pytest tests -q -x -p no:cacheprovider -k "(cuda or triton) and not compile" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -n 6 || status=1
+
+step "trainers: one TRL drop-in step and one verl actor update against their own paths (bf16)"
+# benchmarks/gpu_trainer_steps.py: loss, gradients and log-probs against TRL's and verl's own
+# code on one batch, with each path's peak memory; needs .whl (benchmarks/gpu_wheels.sh): a
+# trainer it cannot import is reported SKIPPED and does not fail the run.
+timeout 300 "$PY" benchmarks/gpu_trainer_steps.py --device cuda --dtype bf16 2>&1 | tee "$OUT/trainer_steps.txt" || status=1
 fi
 
 if want bench; then
@@ -71,6 +81,23 @@ step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
     --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | tee "$OUT/gpu_bench_linear.txt" | grep -v '^\[' || status=1
 
 fi
+
+# --- batch invariance (issue 18): its own part, `bash benchmarks/gpu_check.sh invariant`
+# (~5 minutes budgeted, unmeasured: no GPU run yet; also part of "all"). Probe rows alone
+# against the same rows in batches of 1k, 4k and 16k, for the cuda and triton backends of the
+# chunked path and the tile kernels (fused=True), then two runs of the loss bitwise; then
+# fused_invariant (and fused_tiles_invariant) timed against the default at the issue's size.
+if want invariant; then
+step "batch invariance: rows alone vs in batches of 1k-16k, H = 4096, V = 151936, bf16"
+timeout 300 "$PY" benchmarks/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles \
+    --sizes 1024,4096,16384 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" || status=1
+
+step "benchmark: fused_invariant against fused, N = 16384, H = 4096, V = 151936, bf16"
+timeout 240 "$PY" -m gspo_kernels bench --linear 16384x4096x151936 \
+    --providers fused,fused_invariant,fused_tiles,fused_tiles_invariant --modes fwd+bwd --reps 3 --budget 10 \
+    --json "$OUT/gpu_bench_invariant.json" 2>&1 | tee "$OUT/gpu_bench_invariant.txt" | grep -v '^\[' || status=1
+fi
+# --- end of batch invariance
 
 step "done: status $status"
 exit $status

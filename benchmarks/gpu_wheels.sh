@@ -6,7 +6,7 @@
 # list: the device tool's KINDS.md). Nothing can be downloaded there; gpu_check.sh installs
 # .whl/*.whl with pip --target /tmp/site. Run here, in the repo root, then carry .whl:
 #
-#   bash benchmarks/gpu_wheels.sh            # about 36 MiB
+#   bash benchmarks/gpu_wheels.sh            # 26 wheels, about 30 MiB (ray trimmed: 21.5 of it)
 #
 # The list came from importing each trainer's entry points in a fresh process whose sys.path
 # held only the GPU machine's packages, adding whatever was missing until the imports passed,

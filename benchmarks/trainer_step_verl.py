@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 import tempfile
 import warnings
@@ -44,8 +45,9 @@ def _overrides(model_dir: str, args, mode: str, fused: bool, attention: str) -> 
     actor = "actor_rollout_ref.actor"
     keys = [f"actor_rollout_ref.model.path={model_dir}",
             "actor_rollout_ref.model.external_lib=gspo_kernels.integrations.verl",
-            # padding-free batches need flash-attention's varlen kernels to keep sequences apart
-            f"actor_rollout_ref.model.use_remove_padding={attention == 'flash_attention_2'}",
+            # verl's default: padding-free micro-batches (transformers keeps the packed sequences
+            # apart from their position ids under sdpa and eager too)
+            "actor_rollout_ref.model.use_remove_padding=True",
             f"actor_rollout_ref.model.use_fused_kernels={fused}",
             f"actor_rollout_ref.model.fused_kernel_options.impl_backend={'gspo_kernels' if fused else 'torch'}",
             f"+actor_rollout_ref.model.override_config.attn_implementation={attention}",
@@ -155,26 +157,32 @@ def _run_path(model_dir, args, mode, fused, attention, device, old=None):
                 lp_memory=lp_memory, memory=memory, old=old, lp_dtype=lp_dtype)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _max_rel(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
     """The largest elementwise error relative to max(|want|, 1), over the response tokens."""
     return float(((got - want).abs() / want.abs().clamp(min=1.0))[mask].max())
 
 
 def run(args) -> dict:
+    device = torch.device(args.device)
+    # As a verl user's Ray workers see it: set before verl is imported.
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = "gspo_kernels.integrations.verl"
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     try:
+        if device.type == "cpu":
+            # verl 0.9.1 has no CPU platform: the tests' registration, before verl picks its platform
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integrations"))
+            import verl_cpu_platform  # noqa: F401
         import hydra  # noqa: F401  (verl's config)
         import verl
         from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: F401
     except ImportError as error:
         return skipped("verl", error)
-    device = torch.device(args.device)
-    os.environ["VERL_USE_EXTERNAL_MODULES"] = "gspo_kernels.integrations.verl"
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    if device.type == "cpu":
-        # verl 0.9.1 has no CPU platform: the tests' registration (before verl picks its platform)
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integrations"))
-        import verl_cpu_platform  # noqa: F401
     import gspo_kernels.integrations.verl as gk_verl
     from gspo_kernels.testing.tiny import tiny_llama, tiny_tokenizer
 
