@@ -82,5 +82,22 @@ step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
 
 fi
 
+# --- batch invariance (issue 18): its own part, `bash benchmarks/gpu_check.sh invariant`
+# (~5 minutes budgeted, unmeasured: no GPU run yet; also part of "all"). Probe rows alone
+# against the same rows in batches of 1k, 4k and 16k, for the cuda and triton backends of the
+# chunked path and the tile kernels (fused=True), then two runs of the loss bitwise; then
+# fused_invariant (and fused_tiles_invariant) timed against the default at the issue's size.
+if want invariant; then
+step "batch invariance: rows alone vs in batches of 1k-16k, H = 4096, V = 151936, bf16"
+timeout 300 "$PY" benchmarks/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles \
+    --sizes 1024,4096,16384 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" || status=1
+
+step "benchmark: fused_invariant against fused, N = 16384, H = 4096, V = 151936, bf16"
+timeout 240 "$PY" -m gspo_kernels bench --linear 16384x4096x151936 \
+    --providers fused,fused_invariant,fused_tiles,fused_tiles_invariant --modes fwd+bwd --reps 3 --budget 10 \
+    --json "$OUT/gpu_bench_invariant.json" 2>&1 | tee "$OUT/gpu_bench_invariant.txt" | grep -v '^\[' || status=1
+fi
+# --- end of batch invariance
+
 step "done: status $status"
 exit $status

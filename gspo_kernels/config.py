@@ -197,6 +197,9 @@ class LinearConfig:
     fused: the Triton tile kernels, logits only in on-chip tiles.
     grad_filter_eps: with fused, skip the backward products of tiles whose rows each hold less
     probability mass than this (0: never).
+    batch_invariant: each row's log-prob, entropy and `d hidden` row bitwise independent of the
+    other rows (their number, order, layout) and of chunk_size; loss, `d weight` and `d bias`
+    bitwise the same from run to run (docs/fused_linear.md, "Batch invariance").
     """
 
     chunk_size: int | None = None
@@ -204,17 +207,22 @@ class LinearConfig:
     reduce_hidden_grad: bool = True
     fused: bool = False
     grad_filter_eps: float = DEFAULT_FILTER_EPS
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
             raise ValueError(f"chunk_size must be a positive int or None; got {size!r}")
-        for name in ("weight_grad_fp32", "reduce_hidden_grad", "fused"):
+        for name in ("weight_grad_fp32", "reduce_hidden_grad", "fused", "batch_invariant"):
             _bool(name, getattr(self, name))
         eps = self.grad_filter_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
             raise ValueError(f"grad_filter_eps must be a probability in [0, 1) (0: no filtering); got {eps!r}")
         object.__setattr__(self, "grad_filter_eps", float(eps))
+        if self.batch_invariant and eps > 0:
+            # A tile is skipped by what all its rows hold: a row's gradient would follow its neighbours.
+            raise ValueError("grad_filter_eps > 0 skips tiles by the mass of all their rows, which is not "
+                             "batch-invariant: use it without batch_invariant=True")
 
 
 LINEAR_OPTIONS = frozenset(f.name for f in fields(LinearConfig))

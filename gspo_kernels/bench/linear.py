@@ -11,6 +11,9 @@ Contenders:
     cce           Cut Cross Entropy's linear_cross_entropy as a per-token log-prob, then the
                   GSPO formula (GPU, when installed)
     fused         gk.fused_linear_gspo_loss (chunked; default chunk rule)
+    fused_tiles   the same with fused=True: the Triton tile kernels (GPU)
+    fused_invariant        fused with batch_invariant=True (fixed product shapes, docs/fused_linear.md)
+    fused_tiles_invariant  fused_tiles with batch_invariant=True: no atomics (GPU)
 
 On a CPU every other contender multiplies in float32 (bf16 matmuls run 10-80x slower on CPUs
 without native bf16, and round the logits to bf16 on those with it): the
@@ -132,9 +135,16 @@ def _fused(h, w, p):
                                   eps_high=EPS_HIGH)[0]
 
 
-def _fused_tiles(h, w, p):
-    return fused_linear_gspo_loss(h, w, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
-                                  eps_high=EPS_HIGH, fused=True)[0]
+def _fused_with(**linear):
+    """gk.fused_linear_gspo_loss with these LinearConfig options (default chunk rule)."""
+    def loss(h, w, p):
+        return fused_linear_gspo_loss(h, w, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask,
+                                      eps_low=EPS_LOW, eps_high=EPS_HIGH, **linear)[0]
+
+    return loss
+
+
+_fused_tiles = _fused_with(fused=True)
 
 
 def _gpu_only(device: str) -> str | None:
@@ -181,6 +191,8 @@ LINEAR_PROVIDERS = {
         Provider("cce", _step(_cce), requires("cut_cross_entropy", "cut-cross-entropy", gpu_only=True)),
         Provider("fused", _step(_fused), _always, ours=True),
         Provider("fused_tiles", _step(_fused_tiles), _gpu_only, ours=True),
+        Provider("fused_invariant", _step(_fused_with(batch_invariant=True)), _always, ours=True),
+        Provider("fused_tiles_invariant", _step(_fused_with(fused=True, batch_invariant=True)), _gpu_only, ours=True),
     ]
 }
 

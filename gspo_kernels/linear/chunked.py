@@ -22,6 +22,7 @@ from ..backends.contract import GradInputs
 from ..stats.upstream import nan_lse_for_bad_targets, upstream_grads
 from ..stats.vocab_slice import shard_targets
 from .plan import LinearPass
+from .invariant import invariant_logits
 from .products import Operands
 from .sweeps import SavedPass, choose_sweep, rows_sweep, vocab_sweep
 
@@ -41,7 +42,10 @@ class FusedLinearTokenStats(torch.autograd.Function):
         ops = Operands(weight, bias)
         for start in range(0, rows, how.chunk):
             part = slice(start, min(start + how.chunk, rows))
-            logits = ops.logits(hidden[part])
+            if how.blocks is None:
+                logits = ops.logits(hidden[part])
+            else:
+                logits = invariant_logits(weight, bias, hidden[part], how.blocks)
             logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
         if how.shard is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
@@ -67,9 +71,12 @@ class FusedLinearTokenStats(torch.autograd.Function):
                           GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature))
         reduce_hidden = how.reduce_hidden_grad
         fp32 = how.linear.weight_grad_fp32
-        sweep = choose_sweep(hidden.shape[0], weight.shape[0], need[0], need[1], fp32, weight.dtype)
+        if how.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it
+            sweep = "vocab"
+        else:
+            sweep = choose_sweep(hidden.shape[0], weight.shape[0], need[0], need[1], fp32, weight.dtype)
         if sweep == "vocab":
-            d_hidden, d_weight, d_bias = vocab_sweep(backend, saved, how.chunk, need)
+            d_hidden, d_weight, d_bias = vocab_sweep(backend, saved, how.chunk, need, how.blocks)
         else:
             # A slice's partial d hidden is summed over ranks in float32, then rounded once.
             d_hidden, d_weight, d_bias = rows_sweep(backend, saved, how.chunk, need, reduce_hidden, fp32)

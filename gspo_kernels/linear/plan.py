@@ -10,6 +10,7 @@ import torch
 from .. import backends
 from ..config import LinearConfig
 from ..distributed.vocab_parallel import VocabShard
+from .invariant import ProductBlocks
 
 # float32 logits per chunk when chunk_size is None: a budget in bytes, rows = budget / (4 V).
 CHUNK_BUDGET_BYTES = {"cpu": 32 << 20, "cuda": 256 << 20}
@@ -31,6 +32,7 @@ class LinearPass:
     backend_name: str  # resolved; "triton" whenever linear.fused
     chunk: int  # rows per chunk of the chunked path
     shard: VocabShard | None = None  # vocab-parallel: the weight holds this rank's vocab slice
+    blocks: ProductBlocks | None = None  # batch_invariant (chunked path): the fixed product shape
 
     @property
     def reduce_hidden_grad(self) -> bool:
@@ -48,7 +50,11 @@ class LinearPass:
             _check_fused(resolved, hidden.device)
         chunk = linear.chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.device)
         shard = VocabShard.of(tp_group, vocab_start, weight.shape[0])
-        return LinearPass(linear, 1.0 / temperature, resolved, chunk, shard)
+        blocks = None
+        if linear.batch_invariant and not linear.fused:  # the tile kernels' shapes are fixed already
+            blocks = ProductBlocks.of(hidden.device, hidden.shape[-1])
+            chunk = blocks.round_chunk(chunk)
+        return LinearPass(linear, 1.0 / temperature, resolved, chunk, shard, blocks)
 
 
 def _check_fused(resolved_backend: str, device: torch.device) -> None:

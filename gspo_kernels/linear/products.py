@@ -62,16 +62,34 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).float()
 
 
+# float32 weight rows upcast at a time on a CPU: the copy a product needs, not the whole weight
+# (V x H x 4 bytes: 2.3 GiB at V = 151936, H = 4096).
+UPCAST_BLOCK_BYTES = 16 << 20
+
+
+def upcast_block_rows(hidden_size: int) -> int:
+    """Weight rows per float32 block: 8192 at H = 512, 1024 at H = 4096."""
+    return max(1, UPCAST_BLOCK_BYTES // (4 * max(1, hidden_size)))
+
+
 class Operands:
-    """The products of one weight (or a block of its vocab rows) and its bias."""
+    """The products of one weight (or a block of its vocab rows) and its bias.
+
+    Where the weight must be upcast (16-bit on a CPU), each product walks it a block of
+    `upcast_block_rows` rows at a time, so that no float32 copy of the whole weight is made;
+    elsewhere one block spans it (no copy at all)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.dtype = weight.dtype
         self.native = weight.device.type in NATIVE_16BIT_MATMUL and weight.dtype in (torch.bfloat16, torch.float16)
         self.weight16 = weight
-        self.weight = weight if self.native else as_matmul_dtype(weight)
-        self.bias = None if bias is None else (bias.float() if self.native else as_matmul_dtype(bias))
-        self.accum_dtype = torch.float32 if self.native else self.weight.dtype
+        self.bias16 = bias
+        upcast = not self.native and weight.dtype not in (torch.float32, torch.float64)
+        vocab = weight.shape[0]
+        width = upcast_block_rows(weight.shape[1]) if upcast else max(1, vocab)
+        self.blocks = [slice(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+        self._single = None
+        self.accum_dtype = torch.float32 if self.native or upcast else weight.dtype
         # A product written once (not summed into an accumulator) may return the 16-bit result
         # of a 16-bit product: the same single rounding a GPU applies to its float32 result.
         # Where a CPU multiplies bf16 natively that is ~2x faster than float32 (2-core EPYC
@@ -79,17 +97,47 @@ class Operands:
         self.native_once = self.native or (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                                            and cpu_has_native_bf16())
 
+    @property
+    def vocab(self) -> int:
+        return self.weight16.shape[0]
+
+    def _weight(self, cols: slice) -> torch.Tensor:
+        """Weight rows `cols` as this device multiplies them (a float32 copy of the block on a CPU).
+        A weight of one block keeps its copy: it is at most one block, and its owner (a block of
+        the vocab sweep, or of the batch-invariant products) multiplies it many times."""
+        if len(self.blocks) == 1:
+            if self._single is None:
+                self._single = self.weight16 if self.native else as_matmul_dtype(self.weight16)
+            return self._single
+        block = self.weight16[cols]
+        return block if self.native else as_matmul_dtype(block)
+
+    def _bias(self, cols: slice) -> torch.Tensor | None:
+        if self.bias16 is None:
+            return None
+        block = self.bias16[cols]
+        return block.float() if self.native else as_matmul_dtype(block)
+
     def rows(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """hidden rows as this device multiplies them (upcast once, for a caller that reuses them)."""
         return hidden_rows if self.native else as_matmul_dtype(hidden_rows)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """A chunk's logits in float32 (float64 for float64 inputs)."""
+        """A chunk's logits `[R, V]` in float32 (float64 for float64 inputs)."""
+        h = self.rows(hidden_rows)
+        if len(self.blocks) == 1:
+            return self._block_logits(h, self.blocks[0])
+        out = torch.empty(h.shape[0], self.vocab, dtype=self.accum_dtype, device=h.device)
+        for cols in self.blocks:
+            out[:, cols] = self._block_logits(h, cols)
+        return out
+
+    def _block_logits(self, h: torch.Tensor, cols: slice) -> torch.Tensor:
+        weight, bias = self._weight(cols), self._bias(cols)
         if self.native:
-            z = _mm_fp32(hidden_rows, self.weight.t())
-            return z if self.bias is None else z.add_(self.bias)
-        h = as_matmul_dtype(hidden_rows)
-        return h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t())
+            z = _mm_fp32(h, weight.t())
+            return z if bias is None else z.add_(bias)
+        return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
 
     def _operand(self, dz: torch.Tensor) -> torch.Tensor:
         # Natively, dz is rounded to the weight's 16-bit dtype for the products, as the unfused
@@ -100,17 +148,20 @@ class Operands:
         """dz @ weight: `[R, H]` in the accumulation dtype, or (once: for a caller that writes it
         once in the weight's dtype) possibly in the weight's dtype."""
         if self.native:
-            return _mm_fp32(self._operand(dz), self.weight)
+            return _mm_fp32(self._operand(dz), self.weight16)
         if once and self.native_once:  # CPU with native bf16: dz rounded to bf16 as on a GPU
             return dz.to(self.dtype) @ self.weight16
-        return dz @ self.weight
+        d_hidden = torch.zeros(dz.shape[0], self.weight16.shape[1], dtype=self.accum_dtype, device=dz.device)
+        self.add_hidden_grad(d_hidden, dz)
+        return d_hidden
 
     def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor) -> None:
-        """d_hidden (accumulation dtype) += dz @ weight."""
+        """d_hidden (accumulation dtype) += dz @ weight, a weight block at a time."""
         if self.native:
             d_hidden.add_(self.hidden_grad(dz))
-        else:
-            d_hidden.addmm_(dz, self.weight)
+            return
+        for cols in self.blocks:
+            d_hidden.addmm_(dz[:, cols], self._weight(cols))
 
     def weight_grad(self, dz: torch.Tensor, hidden_rows: torch.Tensor, rows_mm: torch.Tensor | None = None):
         """dz.T @ hidden, summed over every row given, for a caller that writes it once: `[Vb, H]`

@@ -26,6 +26,7 @@ import torch
 
 from ..backends.contract import GradInputs
 from ..stats.vocab_slice import VocabSlice, slice_logits_grad
+from .invariant import ProductBlocks, RowBlockProducts
 from .products import Operands
 
 
@@ -54,7 +55,7 @@ class SavedPass:
     inputs: GradInputs
 
 
-def _block_grad(backend, ops: Operands, hidden_rows, inputs: GradInputs, owned) -> torch.Tensor:
+def _block_grad(backend, ops, hidden_rows, inputs: GradInputs, owned) -> torch.Tensor:
     """dz of one buffer, over its freshly formed logits. owned: None when every row's target is
     in the buffer's columns, else the rows whose target is (the others' column 0 is rewritten)."""
     return slice_logits_grad(backend, ops.logits(hidden_rows), inputs, owned, in_place=True)
@@ -93,32 +94,61 @@ def rows_sweep(backend, saved: SavedPass, chunk: int, need, hidden_grad_fp32: bo
     return d_hidden, d_weight, d_bias
 
 
-def vocab_sweep(backend, saved: SavedPass, chunk: int, need):
-    """(d hidden in float32, d weight, d bias) block of vocab columns by block, every row at once."""
+def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBlocks | None = None):
+    """(d hidden in float32, d weight, d bias) block of vocab columns by block.
+
+    Default: blocks of `chunk * V / N` columns over every row at once. With blocks (batch
+    invariance): blocks of `blocks.vocab` columns over groups of `chunk` rows, every product of
+    the fixed shape (invariant.py); `d weight` and `d bias` then sum over the groups in order."""
     need_h, need_w, need_b = need
     hidden, weight, bias = saved.hidden, saved.weight, saved.bias
     rows, vocab = hidden.shape[0], weight.shape[0]
-    width = vocab if rows == 0 else max(1, min(vocab, chunk * vocab // rows))
+    if blocks is None:
+        width = vocab if rows == 0 else max(1, min(vocab, chunk * vocab // rows))
+        columns = [slice(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+        groups = [slice(0, rows)]
+    else:
+        columns = blocks.vocab_slices(vocab)
+        groups = [slice(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
     d_hidden = d_weight = d_bias = None
     if need_w:
         d_weight = torch.empty_like(weight)
     if need_b:
         d_bias = torch.empty_like(bias)
     rows_mm = None
-    for start in range(0, vocab, width):
-        cols = slice(start, min(start + width, vocab))
+    for cols in columns:
         ops = Operands(weight[cols], None if bias is None else bias[cols])
+        products = ops if blocks is None else RowBlockProducts(ops, blocks)
         if rows_mm is None:
             rows_mm = ops.rows(hidden)  # upcast once (CPU), not once per block
             if need_h:
                 d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
-        local, in_block = VocabSlice(start, cols.stop - start).local_targets(saved.inputs.targets)
+        local, in_block = VocabSlice(cols.start, cols.stop - cols.start).local_targets(saved.inputs.targets)
         owned = in_block if saved.owned is None else in_block & saved.owned
-        dz = _block_grad(backend, ops, rows_mm, replace(saved.inputs, targets=local), owned)
+        inputs = replace(saved.inputs, targets=local)
+        if len(groups) == 1:  # every row at once: each gradient block is one product, written once
+            dz = _block_grad(backend, products, rows_mm, inputs, owned)
+            if need_w:
+                d_weight[cols] = ops.weight_grad(dz, hidden, rows_mm)
+            if need_b:
+                d_bias[cols] = dz.sum(0)
+            if need_h:
+                products.add_hidden_grad(d_hidden, dz)
+            continue
+        # Groups of rows: the block's d weight and d bias summed over them in float32, in order.
+        weight_sum = torch.zeros(cols.stop - cols.start, weight.shape[1], dtype=ops.accum_dtype,
+                                 device=weight.device) if need_w else None
+        bias_sum = torch.zeros(cols.stop - cols.start, dtype=ops.accum_dtype, device=weight.device) if need_b else None
+        for part in groups:
+            dz = _block_grad(backend, products, rows_mm[part], inputs.rows(part), owned[part])
+            if need_w:
+                ops.add_weight_grad(weight_sum, dz, rows_mm[part])
+            if need_b:
+                bias_sum += dz.sum(0)
+            if need_h:
+                products.add_hidden_grad(d_hidden[part], dz)
         if need_w:
-            d_weight[cols] = ops.weight_grad(dz, hidden, rows_mm)
+            d_weight[cols] = weight_sum
         if need_b:
-            d_bias[cols] = dz.sum(0)
-        if need_h:
-            ops.add_hidden_grad(d_hidden, dz)
+            d_bias[cols] = bias_sum
     return d_hidden, d_weight, d_bias

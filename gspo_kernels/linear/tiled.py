@@ -3,7 +3,8 @@ on-chip tiles (backends/triton/tile_kernels.py), behind one autograd Function.
 
 Against the chunked path (chunked.py): no float32 chunk of logits in global memory and no
 `dz` buffer, at the price of float32 atomics in backward (results vary in the last bits from run
-to run) and a float32 `d hidden` accumulator. Gradient filtering (filter_eps > 0) skips the
+to run) and a float32 `d hidden` accumulator. batch_invariant=True trades the atomics for two
+backward kernels that each sum in a fixed order (the forward's tiles are of a fixed shape already). Gradient filtering (filter_eps > 0) skips the
 products of tiles in which each row's probability mass is below filter_eps.
 """
 
@@ -50,7 +51,8 @@ class TiledLinearTokenStats(torch.autograd.Function):
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         need = tuple(ctx.needs_input_grad[:3])
         inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature)
-        g = backends.triton_tiles.grads(hidden, weight, bias, inputs, need, how.linear.grad_filter_eps)
+        g = backends.triton_tiles.grads(hidden, weight, bias, inputs, need, how.linear.grad_filter_eps,
+                                        how.linear.batch_invariant)
         d_hidden = g.hidden
         if d_hidden is not None and how.reduce_hidden_grad:
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)

@@ -170,7 +170,7 @@ def linear_operands(problem: Problem, hidden_size: int = 24, seed: int = 0):
 
 
 def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weight_grad_fp32=True, fused=False,
-                    grad_filter_eps=0.0, **options) -> CaseResult:
+                    grad_filter_eps=0.0, batch_invariant=False, **options) -> CaseResult:
     """fused_linear_gspo_loss of `backend` (the Triton tile kernels with fused=True) against the
     materialized float64 reference (hidden @ weight.T + bias in float64, then
     reference.gspo_loss): the loss, the token log-probs, and the gradients of hidden, weight and
@@ -180,7 +180,8 @@ def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weig
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in operands]
     loss, metrics = fused_linear_gspo_loss(leaves[0], leaves[1], *args[1:], bias=leaves[2], chunk_size=chunk_size,
                                            weight_grad_fp32=weight_grad_fp32, fused=fused,
-                                           grad_filter_eps=grad_filter_eps, backend=backend, **kwargs, **options)
+                                           grad_filter_eps=grad_filter_eps, batch_invariant=batch_invariant,
+                                           backend=backend, **kwargs, **options)
     loss.backward()
     refs = [None if t is None else t.detach().double().cpu().requires_grad_() for t in operands]
     logits = refs[0] @ refs[1].t() + (0 if refs[2] is None else refs[2])

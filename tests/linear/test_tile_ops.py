@@ -39,9 +39,10 @@ def test_opcheck_tile_ops(dtype, with_bias):
         grad_entropy = torch.randn_like(lse) if i % 2 else None
         row_mask = torch.rand(lse.shape, device=device) < 0.7 if i % 3 else None
         eps = 1e-3 if i % 2 else 0.0
+        invariant = not i % 2  # the batch-invariant kernels (no filtering with them)
         torch.library.opcheck(ops.triton_tile_grads.default,
                               (hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask, 1.3,
-                               *need, eps))
+                               *need, eps, invariant))
 
 
 def test_tile_grads_shapes_follow_need():

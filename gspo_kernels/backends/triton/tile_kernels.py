@@ -7,7 +7,8 @@ logits are a tl.dot over the hidden size, reduced at once into the online-softma
 
 Backward: one program per (row block, vocab tile) recomputes the tile, forms its gradient dz
 (common.py's formula and row rule, as the row kernels), and adds dz @ W into d hidden and dz.T @ H
-into d weight with float32 atomics, so results are not bit-reproducible from run to run.
+into d weight with float32 atomics, so results are not bit-reproducible from run to run; or,
+batch-invariant, two kernels without atomics (linear_hidden_grad_kernel, linear_weight_grad_kernel).
 Gradient filtering: a tile in which each row's probability mass is below `filter_eps` (holding
 no row's target and no NaN row) skips both products; FILTER=False turns it off. Rows are in the loss or not
 through `row_mask`; a row whose lse is not finite (no softmax, or a target no rank holds, set
@@ -18,13 +19,21 @@ on another rank).
 import triton
 import triton.language as tl
 
-from .common import block_softmax_stats, finish_stats, grad_term, merge_softmax_stats, row_rule
+from .common import INTERPRETED, block_softmax_stats, finish_stats, grad_term, merge_softmax_stats, row_rule
+
+
+# In the interpreter tl.dot is numpy's matmul, whose BLAS gives a row different bits at another
+# row of the tile (OpenBLAS, Haswell kernels: measured); a broadcast sum over k adds in k order
+# for every (row, column), as a GPU's MMA does for every row of its tile. Interpreter only.
+_SUM_DOT: tl.constexpr = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     """a @ b + acc in float32. IEEE: float32 products (float32 inputs, and the interpreter,
     whose numpy dot cannot take 16-bit operands: they are upcast first, exactly)."""
+    if _SUM_DOT:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -79,16 +88,14 @@ def linear_token_stats_kernel(
 
 
 @triton.jit
-def linear_grad_kernel(
+def _grad_tile(
     h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
-    dh_ptr, dw_ptr, db_ptr,
-    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, NEED_DH: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, FILTER: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, FILTER: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    """(dz, active) of one (rows, cols) tile: its float32 gradient, recomputed from the logits,
+    and whether its products are needed (always, unless FILTER)."""
     row_ok = rows < n_rows
     g = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0)
     hg = g
@@ -124,6 +131,24 @@ def linear_grad_kernel(
             bad_upstream = bad_upstream | (hg != hg) | (tl.abs(hg) == float("inf"))
         has_nan = tl.sum(tl.where(make_nan | (compute & bad_upstream), 1, 0)) > 0
         active = (tl.max(tl.sum(tl.where(live, p, 0.0), 1)) >= filter_eps) | hits_target | has_nan
+    return dz, active
+
+
+@triton.jit
+def linear_grad_kernel(
+    h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
+    dh_ptr, dw_ptr, db_ptr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, FILTER: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+                            row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
+                            filter_eps, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, FILTER, IEEE, BLOCK_N, BLOCK_V,
+                            BLOCK_H)
     if active:
         # 16-bit inputs: dz rounded once to their dtype for the tensor-core products (as
         # Liger and Cut Cross Entropy do); float32 inputs keep it in float32.
@@ -146,3 +171,74 @@ def linear_grad_kernel(
                               mask=(cols[:, None] < vocab) & k_ok, sem="relaxed")
     if NEED_DB:  # cheap, so never filtered: d bias stays exact
         tl.atomic_add(db_ptr + cols, tl.sum(dz, 0), mask=cols < vocab, sem="relaxed")
+
+
+# Batch-invariant backward (LinearConfig.batch_invariant): two kernels, each the only writer of
+# what it sums, adding its tiles in a fixed order with plain loads and stores instead of atomics.
+# The price: the logits tiles are recomputed twice (once per kernel) instead of once.
+
+
+@triton.jit
+def linear_hidden_grad_kernel(
+    h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr, dh_ptr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """d hidden of one block of rows: the vocab tiles' dz @ W added in vocab order. A row's sum
+    then follows only its own dz and the fixed tile shape, not the rows beside it."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_H)
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr,
+                                grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
+                                stride_w, inv_temperature, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, False,
+                                IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+        dz_in = dz.to(h_ptr.dtype.element_ty)
+        for k0 in range(0, hidden_size, BLOCK_H):
+            kk = k0 + ks
+            k_ok = kk[None, :] < hidden_size
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
+                        mask=(cols[:, None] < vocab) & k_ok, other=0.0)
+            part = _dot(dz_in, w, tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), IEEE)
+            out = dh_ptr + rows[:, None].to(tl.int64) * hidden_size + kk[None, :]
+            ok = (rows[:, None] < n_rows) & k_ok
+            tl.store(out, tl.load(out, mask=ok, other=0.0) + part, mask=ok)
+        tl.debug_barrier()  # this tile's stores before the next tile's loads, across the program's threads
+
+
+@triton.jit
+def linear_weight_grad_kernel(
+    h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
+    dw_ptr, db_ptr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """d weight and d bias of one vocab tile: the row blocks' dz.T @ H added in row order."""
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_H)
+    bias_sum = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for n0 in range(0, n_rows, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr,
+                                grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
+                                stride_w, inv_temperature, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, False,
+                                IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+        if NEED_DB:
+            bias_sum += tl.sum(dz, 0)
+        if NEED_DW:
+            dz_in = dz.to(h_ptr.dtype.element_ty)
+            for k0 in range(0, hidden_size, BLOCK_H):
+                kk = k0 + ks
+                k_ok = kk[None, :] < hidden_size
+                h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :],
+                            mask=(rows[:, None] < n_rows) & k_ok, other=0.0)
+                part = _dot(tl.trans(dz_in), h, tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32), IEEE)
+                out = dw_ptr + cols[:, None].to(tl.int64) * hidden_size + kk[None, :]
+                ok = (cols[:, None] < vocab) & k_ok
+                tl.store(out, tl.load(out, mask=ok, other=0.0) + part, mask=ok)
+            tl.debug_barrier()  # as in linear_hidden_grad_kernel
+    if NEED_DB:
+        tl.store(db_ptr + cols, bias_sum, mask=cols < vocab)

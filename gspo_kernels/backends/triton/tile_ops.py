@@ -94,7 +94,7 @@ def _grad_shapes(hidden, weight, need_hidden: bool, need_weight: bool, need_bias
 def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
               lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None,
               row_mask: torch.Tensor | None, inv_temperature: float, need_hidden: bool, need_weight: bool,
-              need_bias: bool, filter_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              need_bias: bool, filter_eps: float, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = TileConfig.default(hidden.dtype)
     need_bias = need_bias and bias is not None
     d_hidden, d_weight, d_bias = (torch.zeros(shape, dtype=torch.float32, device=hidden.device)
@@ -102,7 +102,10 @@ def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     hidden, weight = _rows(hidden), _rows(weight)
     n_rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
-    if n_rows and (need_hidden or need_weight or need_bias):
+    if n_rows and invariant:
+        _launch_invariant(tiles, (hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask),
+                          (d_hidden, d_weight, d_bias), inv_temperature, (need_hidden, need_weight, need_bias))
+    elif n_rows and (need_hidden or need_weight or need_bias):
         dummy = lse  # stands in for every pointer a flag says is never read
         grid = (triton.cdiv(n_rows, tiles.block_n), triton.cdiv(vocab, tiles.block_v))
         kernels.linear_grad_kernel[grid](
@@ -118,9 +121,30 @@ def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return d_hidden, d_weight, d_bias
 
 
+def _launch_invariant(tiles: TileConfig, inputs: tuple, outputs: tuple, inv_temperature: float, need) -> None:
+    """The batch-invariant backward: d hidden by row blocks, d weight and d bias by vocab tiles,
+    each summed in a fixed order (no atomics)."""
+    hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask = inputs
+    d_hidden, d_weight, d_bias = outputs
+    need_hidden, need_weight, need_bias = need
+    n_rows, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    operands = (hidden, weight, weight if bias is None else bias, targets, lse, entropy, grad_logp,
+                lse if grad_entropy is None else grad_entropy, targets if row_mask is None else row_mask)
+    sizes = (n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature)
+    flags = dict(HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None,
+                 HAS_ROW_MASK=row_mask is not None, IEEE=_ieee(hidden), BLOCK_N=tiles.block_n,
+                 BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, num_warps=tiles.num_warps)
+    if need_hidden:
+        kernels.linear_hidden_grad_kernel[(triton.cdiv(n_rows, tiles.block_n),)](*operands, d_hidden, *sizes, **flags)
+    if need_weight or need_bias:
+        kernels.linear_weight_grad_kernel[(triton.cdiv(vocab, tiles.block_v),)](
+            *operands, d_weight, d_bias, *sizes, NEED_DW=need_weight, NEED_DB=need_bias, **flags)
+
+
 @_grads_op.register_fake
 def _(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature,
-      need_hidden, need_weight, need_bias, filter_eps):
+      need_hidden, need_weight, need_bias, filter_eps, invariant=False):
     shapes = _grad_shapes(hidden, weight, need_hidden, need_weight, need_bias and bias is not None)
     return tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
@@ -132,14 +156,15 @@ class LinearGrads:
     bias: torch.Tensor | None  # float32 [V]
 
 
-def grads(hidden, weight, bias, inputs: GradInputs, need: tuple[bool, bool, bool], filter_eps: float) -> LinearGrads:
+def grads(hidden, weight, bias, inputs: GradInputs, need: tuple[bool, bool, bool], filter_eps: float,
+          invariant: bool = False) -> LinearGrads:
     """float32 d hidden, d weight, d bias (those `need` asks for). inputs.targets: local ids,
     < 0 for a row whose target lives on another rank (no one-hot term); a row in the loss whose
     lse is not finite gets NaN. filter_eps > 0 skips tiles in which each row's probability mass
-    is below it."""
+    is below it. invariant: no atomics, every sum in a fixed order (then filter_eps must be 0)."""
     need_hidden, need_weight, need_bias = need
     need_bias = need_bias and bias is not None
     d_hidden, d_weight, d_bias = _grads_op(hidden, weight, bias, *inputs.op_args(), need_hidden, need_weight,
-                                           need_bias, float(filter_eps))
+                                           need_bias, float(filter_eps), bool(invariant))
     return LinearGrads(d_hidden if need_hidden else None, d_weight if need_weight else None,
                        d_bias if need_bias else None)
