@@ -75,6 +75,27 @@ def _aggregation_weight(config: GSPOConfig, batch: LossBatch, counts: _Counts):
     return 1.0 / per_seq
 
 
+@dataclass(frozen=True)
+class _Term:
+    value: torch.Tensor  # per token, added to the policy term
+    d_logp: torch.Tensor | None
+    d_ratio: torch.Tensor | None
+
+
+def _kl_term(config: GSPOConfig, logp, ref_logp, ratio):
+    """(the kl metric per token, the beta * KL term of the loss or None when beta = 0). With
+    use_bias_correction_kl (TRL's) the KL is weighted by the (differentiable) importance ratio,
+    and the metric reads that corrected estimate too, as TRL's does."""
+    kl, d_kl = kl_penalty(logp, ref_logp, config.kl_estimator, config.kl_clamp)
+    corrected = kl * ratio if config.use_bias_correction_kl else kl
+    if config.beta == 0:  # KL is a metric only; an infinite one leaves the loss alone
+        return corrected, None
+    beta = config.beta
+    if config.use_bias_correction_kl:
+        return corrected, _Term(beta * corrected, beta * d_kl * ratio, beta * kl)
+    return corrected, _Term(beta * kl, beta * d_kl, None)
+
+
 def _times(x, weight):
     return x if weight is None or x is None else x * weight
 
@@ -125,24 +146,19 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     d_ratio = None if policy_ratio is not ratio else d_policy_ratio
     kl = None
     if batch.ref_logprobs is not None:
-        kl, d_kl = kl_penalty(logp_r, response_only(batch.ref_logprobs), config.kl_estimator, config.kl_clamp)
-        if config.use_bias_correction_kl:
-            # TRL's bias correction weights the KL by the (differentiable) importance ratio; the
-            # kl metric reads this corrected estimate too, as TRL's does.
-            if config.beta > 0:
-                d_logp = _plus(d_logp, config.beta * d_kl * ratio.value)
-                d_ratio = _plus(d_ratio, config.beta * kl)
-            kl = kl * ratio.value
-        elif config.beta > 0:
-            d_logp = _plus(d_logp, config.beta * d_kl)
-        if config.beta > 0:  # beta = 0: KL is a metric only; an infinite one leaves the loss alone
-            per_token = per_token + config.beta * kl
+        kl, penalty = _kl_term(config, logp_r, response_only(batch.ref_logprobs), ratio.value)
+        if penalty is not None:
+            per_token, d_logp, d_ratio = per_token + penalty.value, _plus(d_logp, penalty.d_logp), \
+                _plus(d_ratio, penalty.d_ratio)
     if config.entropy_coef != 0.0:
         per_token = per_token - config.entropy_coef * entropy_r
 
     w = _aggregation_weight(config, batch, counts)
     # W is finite, so times the bool mask it is an exact 0 outside the response.
-    w_tok = mask * (seg.per_row(w) if isinstance(w, torch.Tensor) and w.dim() else w)
+    if isinstance(w, torch.Tensor):
+        w_tok = mask * (seg.per_row(w) if w.dim() else w)
+    else:  # a number: times the mask in the loss's dtype (a float alone would give float32)
+        w_tok = mask.to(dtype) * w
     g = _times(d_logp, w_tok)
     if d_ratio is not None:
         g = _plus(g, ratio.pull(x, w_tok * d_ratio))
