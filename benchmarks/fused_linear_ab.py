@@ -9,8 +9,10 @@ matmul speed hits them alike; medians over rounds.
     rows_fp32        rows             float32 (the design before 2026-12-01)
     vocab_fp32       vocab            float32
     shipped          choose_sweep     bf16 where the CPU multiplies it natively
+    invariant        vocab            as shipped, with batch_invariant=True (fixed product shapes)
 
-Run: python benchmarks/fused_linear_ab.py [rounds] (about 4 minutes at 7 rounds on 2 cores).
+Run: python benchmarks/fused_linear_ab.py [rounds] [variant,...] (about 4 minutes at 7 rounds on
+2 cores; default: all; the first variant given is the ratios' base, materialized when it is in).
 """
 import statistics
 import sys
@@ -33,7 +35,7 @@ def variant(sweep, native):
     return apply
 
 
-def main(rounds: int) -> None:
+def main(rounds: int, chosen: list[str]) -> None:
     problem = make_linear_problem(SHAPE, torch.bfloat16, "cpu")
     native = products.cpu_has_native_bf16()
     variants = {
@@ -41,7 +43,10 @@ def main(rounds: int) -> None:
         "rows_fp32": ("fused", variant("rows", False)),
         "vocab_fp32": ("fused", variant("vocab", False)),
         "shipped": ("fused", variant(None, native)),
+        "invariant": ("fused_invariant", variant(None, native)),
     }
+    if chosen:
+        variants = {name: variants[name] for name in chosen}
     times = {name: [] for name in variants}
     for _ in range(rounds + 1):  # the first round warms up
         for name, (provider, apply) in variants.items():
@@ -52,14 +57,14 @@ def main(rounds: int) -> None:
             start = time.perf_counter()
             step.loss().backward()
             times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["materialized"][1:])
+    base = statistics.median(times["materialized" if "materialized" in times else next(iter(times))][1:])
     print(f"N={SHAPE.tokens} H={SHAPE.hidden} V={SHAPE.vocab} bf16, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16: {native}, {rounds} rounds")
-    print("| variant | median ms | vs materialized |\n|---|---|---|")
+    print(f"| variant | median ms | vs {'materialized' if 'materialized' in times else next(iter(times))} |\n|---|---|---|")
     for name, values in times.items():
         median = statistics.median(values[1:])
         print(f"| {name} | {median * 1e3:.0f} | {median / base:.2f}x |")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7, sys.argv[2].split(",") if len(sys.argv) > 2 else [])

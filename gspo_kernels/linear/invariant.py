@@ -18,12 +18,16 @@ import torch
 
 from .products import Operands, upcast_block_rows
 
-# Hidden rows per product. A GPU wants tall products to fill its tensor cores; a CPU's BLAS is
-# near its peak from ~100 rows and pads less with fewer.
-INVARIANT_ROWS = {"cpu": 128, "cuda": 512}
-# float32 logits per product on a GPU (vocab columns = budget / (4 H)); on a CPU the vocab block
-# is the weight block upcast at a time (products.UPCAST_BLOCK_BYTES).
-GPU_BLOCK_BYTES = 128 << 20
+# Hidden rows per product. A GPU wants tall products to fill its tensor cores. A CPU's too: on
+# this session's 2-core EPYC (AVX2) a (R x 512) @ (512 x 8192) product ran at 12, 19, 26 and 29
+# GFLOP/s for R = 64, 128, 256, 512 (a loaded machine); 256 is the default chunk at V = 32768.
+INVARIANT_ROWS = {"cpu": 256, "cuda": 512}
+# A vocab block's float32 weight rows (columns = budget / (4 H)). On a CPU half the default path's
+# upcast block: the backward's block of `d weight` is a float32 sum besides its upcast weight
+# rows (8 MiB each at H = 512, 4096 columns: 78 against the default path's 74 MiB peak at
+# N = 2048, V = 32768, bf16; with 8192 columns it was 103).
+# On a GPU the products take the 16-bit weight as it is: larger blocks, fewer launches.
+BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 128 << 20}
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,9 @@ class ProductBlocks:
 
     @staticmethod
     def of(device: torch.device, hidden_size: int) -> "ProductBlocks":
-        rows = INVARIANT_ROWS.get(device.type, INVARIANT_ROWS["cpu"])
-        if device.type == "cuda":
-            return ProductBlocks(rows, max(1, GPU_BLOCK_BYTES // (4 * max(1, hidden_size))))
-        return ProductBlocks(rows, upcast_block_rows(hidden_size))
+        kind = device.type if device.type in INVARIANT_ROWS else "cpu"
+        vocab = max(1, BLOCK_BYTES[kind] // (4 * max(1, hidden_size)))
+        return ProductBlocks(INVARIANT_ROWS[kind], min(vocab, upcast_block_rows(hidden_size)) if kind == "cpu" else vocab)
 
     def round_chunk(self, chunk: int) -> int:
         """chunk rounded up to whole row blocks (only the batch's last block is padded)."""
@@ -67,10 +70,11 @@ class RowBlockProducts:
         self.ops = ops
         self.blocks = blocks
 
-    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """`[n, Vb]` float32 logits of the block."""
+    def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`[n, Vb]` float32 logits of the block, into `out` (a view) when given."""
         n = hidden_rows.shape[0]
-        out = torch.empty(n, self.ops.vocab, dtype=self.ops.accum_dtype, device=hidden_rows.device)
+        if out is None:
+            out = torch.empty(n, self.ops.vocab, dtype=self.ops.accum_dtype, device=hidden_rows.device)
         for part in self.blocks.row_slices(n):
             # Always a fresh copy: a GPU library may pick its kernel by the operands' alignment, and
             # the caller's rows may start anywhere (a view at an offset); it is rows x H, small.
@@ -92,8 +96,14 @@ def invariant_logits(weight: torch.Tensor, bias: torch.Tensor | None, hidden_row
     out = None
     for cols in blocks.vocab_slices(weight.shape[0]):
         ops = Operands(weight[cols], None if bias is None else bias[cols])
-        block = RowBlockProducts(ops, blocks).logits(hidden_rows)
         if out is None:
-            out = torch.empty(hidden_rows.shape[0], weight.shape[0], dtype=block.dtype, device=block.device)
-        out[:, cols] = block
+            out = torch.empty(hidden_rows.shape[0], weight.shape[0], dtype=ops.accum_dtype, device=hidden_rows.device)
+        RowBlockProducts(ops, blocks).logits(hidden_rows, out[:, cols])
     return out
+
+
+def group_rows(blocks: ProductBlocks, chunk: int, vocab: int) -> int:
+    """Rows per group of the backward's vocab sweep: as many logits as a chunk holds in forward
+    (chunk x V), over a vocab block's columns, in whole row blocks. Only the order in which
+    `d weight` and `d bias` are summed follows it, not any row's bits."""
+    return blocks.round_chunk(max(chunk, chunk * vocab // max(1, min(blocks.vocab, vocab))))

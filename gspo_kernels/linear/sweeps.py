@@ -26,7 +26,7 @@ import torch
 
 from ..backends.contract import GradInputs
 from ..stats.vocab_slice import VocabSlice, slice_logits_grad
-from .invariant import ProductBlocks, RowBlockProducts
+from .invariant import ProductBlocks, RowBlockProducts, group_rows
 from .products import Operands
 
 
@@ -98,7 +98,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
     """(d hidden in float32, d weight, d bias) block of vocab columns by block.
 
     Default: blocks of `chunk * V / N` columns over every row at once. With blocks (batch
-    invariance): blocks of `blocks.vocab` columns over groups of `chunk` rows, every product of
+    invariance): blocks of `blocks.vocab` columns over groups of rows (invariant.group_rows), every product of
     the fixed shape (invariant.py); `d weight` and `d bias` then sum over the groups in order."""
     need_h, need_w, need_b = need
     hidden, weight, bias = saved.hidden, saved.weight, saved.bias
@@ -109,7 +109,8 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
         groups = [slice(0, rows)]
     else:
         columns = blocks.vocab_slices(vocab)
-        groups = [slice(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+        size = group_rows(blocks, chunk, vocab)
+        groups = [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
     d_hidden = d_weight = d_bias = None
     if need_w:
         d_weight = torch.empty_like(weight)

@@ -38,6 +38,7 @@ def small_product_blocks(monkeypatch):
     """16-row products and 64-column vocab blocks (and weight upcast blocks): 36 rows make three
     row blocks, the last one padded; 100 columns two vocab blocks, the last one narrower."""
     monkeypatch.setitem(invariant.INVARIANT_ROWS, "cpu", 16)
+    monkeypatch.setitem(invariant.BLOCK_BYTES, "cpu", 4 * HIDDEN * 64)
     monkeypatch.setattr(products, "UPCAST_BLOCK_BYTES", 4 * HIDDEN * 64)
 
 
