@@ -80,6 +80,14 @@ step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
 "$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,liger,cce,fused,fused_tiles --modes fwd+bwd \
     --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | tee "$OUT/gpu_bench_linear.txt" | grep -v '^\[' || status=1
 
+# --- small micro-batches (issue 19): eager against one CUDA-graph capture replayed, and the
+# capture's loss and gradient against the eager call's, bitwise (fails the step otherwise).
+step "small micro-batches: eager vs CUDA graph, N = 1024 ... 16384, V = 151936, bf16"
+timeout 240 "$PY" benchmarks/cuda_graph.py --tokens 1024,2048,4096,16384 --vocab 151936 --backends cuda,triton \
+    --json "$OUT/gpu_cuda_graph.json" 2>&1 | tee "$OUT/gpu_cuda_graph.txt" || status=1
+"$PY" -m gspo_kernels bench --host 2>&1 | tee "$OUT/gpu_host.txt" | tail -n 20 || status=1
+# --- end of small micro-batches
+
 fi
 
 # --- batch invariance (issue 18): its own part, `bash benchmarks/gpu_check.sh invariant`
