@@ -21,7 +21,7 @@ def apply(cfg: GSPOConfig, x: PolicyInputs, old, rollout, entropy, entropy_thres
     weight = None
 
     def response_mean(values):
-        return (x.segments.total(values.to(old.dtype)) / x.n_tokens).float()
+        return (x.segments.total(values.to(x.log_ratio.dtype)) / x.n_tokens).float()
 
     def times(keep):
         return keep if weight is None else torch.where(keep, weight, 0.0)

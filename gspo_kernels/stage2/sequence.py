@@ -116,11 +116,13 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     needs_logp = config.objective in ("cispo", "vespo") or config.level == "sequence_token" or \
         batch.ref_logprobs is not None or config.off_policy_mask_threshold is not None
     logp_r = response_only(logp) if needs_logp else None
+    # The old log-probs themselves only feed the corrections that read the sampler's policy.
+    needs_old = config.rollout_correction is not None or config.off_policy_mask_threshold is not None
     if batch.old_logprobs is None:  # on-policy: old = sg[logp], the log-ratio is 0
         old = logp_r if logp_r is not None else response_only(logp)
         log_ratio = torch.zeros_like(old)
     else:
-        old = response_only(batch.old_logprobs)
+        old = response_only(batch.old_logprobs) if needs_old else None
         log_ratio = response_only(logp - batch.old_logprobs.to(dtype))
     tokens_per_seq, seq_log_ratio_sum = seg.seq_sums((mask, log_ratio), dtype)
     counts = _counts(tokens_per_seq)
