@@ -32,8 +32,7 @@ class PolicyInputs:
     adv: torch.Tensor  # advantage per token (zero outside the response)
     mask: torch.Tensor  # bool response mask, token shape
     segments: Segments
-    tokens_per_seq: torch.Tensor  # [S], float
-    length: torch.Tensor  # [S], tokens_per_seq clamped to >= 1 (the divisor of per-sequence means)
+    length: torch.Tensor  # per sequence (Segments.seq_sum's shape), its response tokens clamped to >= 1
     n_tokens: torch.Tensor  # 0-d, the response tokens of the whole batch, >= 1
     log_ratio_bounds: tuple  # (low, high) of config.log_ratio_clamp, None for an open side
 

@@ -39,8 +39,7 @@ from .ratio import importance_ratio
 @dataclass(frozen=True)
 class _Counts:
     # Per-sequence tensors have Segments.seq_sum's shape ([B, 1] padded, [S] packed).
-    tokens_per_seq: torch.Tensor  # the response tokens of each sequence (every rank's)
-    length: torch.Tensor  # tokens_per_seq clamped to >= 1
+    length: torch.Tensor  # the response tokens of each sequence (every rank's), clamped to >= 1
     n_tokens: torch.Tensor  # 0-d, >= 1
     n_seqs: torch.Tensor  # 0-d int64, the non-empty sequences, >= 1
     seq_share: torch.Tensor  # 1 / (length * n_seqs): a token's weight in a mean of sequence means
@@ -51,7 +50,7 @@ def _counts(tokens_per_seq: torch.Tensor) -> _Counts:
     # per-sequence counts: no second reduction across ranks.
     length = tokens_per_seq.clamp(min=1)
     n_seqs = torch.count_nonzero(tokens_per_seq).clamp(min=1)
-    return _Counts(tokens_per_seq, length, tokens_per_seq.sum().clamp(min=1), n_seqs, (length * n_seqs).reciprocal())
+    return _Counts(length, tokens_per_seq.sum().clamp(min=1), n_seqs, (length * n_seqs).reciprocal())
 
 
 def _aggregation_weight(config: GSPOConfig, batch: LossBatch, counts: _Counts):
@@ -128,7 +127,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     counts = _counts(tokens_per_seq)
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
-    x = PolicyInputs(logp_r, log_ratio, adv, mask, seg, counts.tokens_per_seq, counts.length, counts.n_tokens,
+    x = PolicyInputs(logp_r, log_ratio, adv, mask, seg, counts.length, counts.n_tokens,
                      config.log_ratio_clamp)
 
     seq_log_ratio = seq_log_ratio_sum / counts.length
