@@ -82,7 +82,7 @@ def _extensions():
 
     capability = _cpu_capability()
     cxx = ["-O3", "-DNDEBUG", "-Wno-unknown-pragmas", f'-DGSPO_CPU_CAPABILITY_NAME="{capability.upper()}"'] + _CPU_FLAGS[capability]
-    sources = ["csrc/ops.cpp", "csrc/cpu/kernels.cpp"]
+    sources = ["csrc/ops.cpp", "csrc/cpu/kernels.cpp", "csrc/cpu/segments.cpp"]
     nvcc_found = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
     with_cuda = not _truthy("GSPO_SKIP_CUDA_BUILD") and torch.version.cuda is not None and nvcc_found
     kwargs = dict(
@@ -92,7 +92,7 @@ def _extensions():
         extra_compile_args={"cxx": cxx},
     )
     if with_cuda:
-        kwargs["sources"] = sources + ["csrc/cuda/kernels.cu"]
+        kwargs["sources"] = sources + ["csrc/cuda/kernels.cu", "csrc/cuda/segments.cu"]
         kwargs["include_dirs"] += _pip_cuda_include_dirs()
         kwargs["extra_compile_args"]["cxx"] = cxx + ["-DGSPO_WITH_CUDA"]
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-DNDEBUG", "-lineinfo"] + _cuda_arch_flags()

@@ -2,7 +2,9 @@
 
 Covers: 16-byte and scalar paths (V a multiple of 8 or not; a row start off 16 bytes),
 warp-per-row and block-per-row (V <= 2048 or not), in place, strided rows, padding rows,
-out-of-range targets outside the row mask, with and without the entropy term. Exits non-zero on a wrong value.
+out-of-range targets outside the row mask, with and without the entropy term; and the packed
+layout's segment ops (empty segments, segments longer than a block, k columns, a row count off
+the block size, a cu_seqlens past the rows). Exits non-zero on a wrong value.
 """
 
 import sys
@@ -36,7 +38,28 @@ def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool) -> flo
     return err if ok else float("inf")
 
 
+def segment_cases() -> bool:
+    ok = True
+    for bounds in ([0, 0, 3, 3, 700, 1300, 1300], [0, 1], list(range(0, 1000, 3)) + [1000]):
+        cu = torch.tensor(bounds, device="cuda")
+        for shape in ((bounds[-1],), (bounds[-1], 3)):
+            x = torch.randn(shape, device="cuda")
+            want = torch.stack([x[a:b].double().sum(0) for a, b in zip(bounds, bounds[1:])]).float()
+            ok &= bool(torch.allclose(ops.segment_sum(x, cu), want, rtol=1e-6, atol=1e-6))
+        v = torch.randn(len(bounds) - 1, device="cuda")
+        want = v.cpu().repeat_interleave(torch.tensor(bounds).diff())
+        ok &= torch.equal(ops.segment_expand(v, cu, bounds[-1]).cpu(), want)
+    past = torch.tensor([0, 2, 9], device="cuda")  # ends past the 5 rows: clamped, no read beyond
+    ok &= ops.segment_sum(torch.arange(5.0, device="cuda"), past).tolist() == [1.0, 9.0]
+    ok &= ops.segment_expand(torch.tensor([7.0, 8.0], device="cuda"), past, 5).tolist() == [7.0, 7.0, 8.0, 8.0, 8.0]
+    torch.cuda.synchronize()
+    return ok
+
+
 def main() -> int:
+    if not segment_cases():
+        print("sanitizer probe: a segment op gave a wrong value")
+        return 1
     worst = 0.0
     for vocab in (7, 64, 2048, 2049, 5000, 32768):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):

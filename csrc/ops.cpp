@@ -17,6 +17,12 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def(
       "logits_grad_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
       "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature) -> ()");
+  // Stage 2, packed layout: per-sequence sums of (N,) or (N, k) values over the rows
+  // cu_seqlens[s] .. cu_seqlens[s + 1], accumulated in float64 and returned in the values'
+  // dtype, (S,) or (S, k) (0 for an empty sequence).
+  m.def("segment_sum(Tensor values, Tensor cu_seqlens) -> Tensor");
+  // Stage 2, packed layout: each of `rows` rows takes its sequence's value, (S,) -> (rows,).
+  m.def("segment_expand(Tensor values, Tensor cu_seqlens, int rows) -> Tensor");
 }
 
 #ifndef GSPO_CPU_CAPABILITY_NAME

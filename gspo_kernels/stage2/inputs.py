@@ -63,6 +63,12 @@ class TokenLayout:
         return TokenLayout(logits.shape[:-1], logits.device)
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A per-token tensor as the kernels' `[N]` rows. A packed one is that already: reshape
+    would still dispatch a view, one op more for a small micro-batch to pay."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 def check_logits(logits) -> None:
     _require_tensor("logits", logits)
     if logits.dim() not in (2, 3):
@@ -82,7 +88,7 @@ def check_targets(target_ids, layout: TokenLayout) -> torch.Tensor:
     if target_ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"target_ids must be int64 or int32; got {target_ids.dtype}")
     _require_device("target_ids", target_ids, layout.device)
-    return target_ids.reshape(-1).to(torch.int64).contiguous()
+    return as_rows(target_ids).to(torch.int64).contiguous()
 
 
 def _per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor | None:
@@ -218,7 +224,7 @@ class LossBatch:
     @property
     def row_mask(self) -> torch.Tensor:
         """The mask as the kernels' `[N]` rows."""
-        return self.mask.reshape(-1)
+        return as_rows(self.mask)
 
 
 def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):

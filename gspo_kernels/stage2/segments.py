@@ -5,8 +5,9 @@ values are `[B, 1]` padded (a sequence is a row of the `[B, T]` tensor: its sum 
 `sum(dim=1, keepdim=True)`, and the value reaches its tokens by broadcasting, no op at all) and
 `[S]` packed (reaching the tokens by one gather). No flattening, no expanding, no copy: each
 would be one more op to dispatch, which is what a small micro-batch pays for. Packed
-sums reduce each sequence's own rows (torch.segment_reduce over cu_seqlens, in float64): no
-atomics, and no value in one sequence can reach another. A running prefix sum would not
+sums reduce each sequence's own rows over cu_seqlens, in float64 (backends/segment_ops.py: one
+op where the extension serves the device, else torch.segment_reduce): no atomics, and no
+value in one sequence can reach another. A running prefix sum would not
 isolate them (an inf in sequence 0 turns every later difference into inf - inf = NaN, and a
 huge finite value swallows the later sequences' digits).
 
@@ -23,14 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import segment_ops
 from ..distributed.collectives import all_reduce_max, replicated_sum
-
-
-def _packed_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    # unsafe=True skips segment_reduce's own offset checks, which read values on the host;
-    # inputs.py has validated cu_seqlens already (on the host, or by a device-side assert).
-    sums = torch.segment_reduce(x.to(torch.float64), "sum", offsets=cu_seqlens, unsafe=True)
-    return sums.to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,9 @@ class Segments:
     num_seqs: int
     rows_per_seq: int | None = None  # padded: T
     cu_seqlens: torch.Tensor | None = None  # packed: (S + 1,) int64
-    seq_of_row: torch.Tensor | None = None  # packed: (N,) int64
+    rows: int | None = None  # packed: N
+    native: bool = False  # packed: the extension's one-op segment kernels serve the device
+    seq_of_row: torch.Tensor | None = None  # packed, not native: (N,) int64
     group: object = None  # context parallel: the ranks that hold the other parts of each sequence
 
     @staticmethod
@@ -47,28 +44,28 @@ class Segments:
 
     @staticmethod
     def packed(cu_seqlens: torch.Tensor, rows: int, group=None, known_valid: bool = False) -> "Segments":
-        row_ids = torch.arange(rows, device=cu_seqlens.device)
-        seq_of_row = torch.searchsorted(cu_seqlens[1:], row_ids, right=True)
-        if not known_valid:
-            # Rows past the last boundary can only come from an invalid cu_seqlens, whose
-            # device-side check fails later; clamping keeps the gather in bounds until then.
-            seq_of_row = seq_of_row.clamp_(max=cu_seqlens.numel() - 2)
-        return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, seq_of_row=seq_of_row, group=group)
+        native = segment_ops.native_for(cu_seqlens.device)
+        seq_of_row = None if native else segment_ops.row_to_sequence(cu_seqlens, rows, known_valid)
+        return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, rows=rows, native=native,
+                        seq_of_row=seq_of_row, group=group)
 
     @property
     def padded_layout(self) -> bool:
         return self.rows_per_seq is not None
 
+    def _packed_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return segment_ops.segment_sum(x, self.cu_seqlens, self.native)
+
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token values (the token shape) -> per-sequence sums (`[B, 1]` padded, `[S]`
         packed; 0 for an empty sequence), over every rank's part of the sequence. With a
         trailing column dim (k columns at once): `[B, 1, k]` padded, `[S, k]` packed."""
-        local = x.sum(dim=1, keepdim=True) if self.padded_layout else _packed_sum(x, self.cu_seqlens)
+        local = x.sum(dim=1, keepdim=True) if self.padded_layout else self._packed_sum(x)
         return replicated_sum(local, self.group)
 
     def column_sums(self, x: torch.Tensor) -> torch.Tensor:
         """k per-token columns (the token shape plus k) -> their per-sequence sums `[S, k]`."""
-        local = x.sum(dim=1) if self.padded_layout else _packed_sum(x, self.cu_seqlens)
+        local = x.sum(dim=1) if self.padded_layout else self._packed_sum(x)
         return replicated_sum(local, self.group)
 
     def seq_sums(self, columns, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -77,15 +74,17 @@ class Segments:
         reduction (and one collective) for the rest."""
         if self.padded_layout and self.group is None:
             return tuple(c.sum(dim=1, keepdim=True, dtype=dtype) for c in columns)
-        stacked = torch.stack(columns, dim=-1)
-        return self.seq_sum(stacked if self.padded_layout else stacked.to(torch.float64)).to(dtype).unbind(-1)
+        stacked = torch.stack(columns, dim=-1)  # takes the float column's dtype
+        if stacked.dtype != dtype:
+            stacked = stacked.to(dtype)
+        return self.seq_sum(stacked).unbind(-1)  # a packed sum accumulates in float64
 
     def per_row(self, v: torch.Tensor) -> torch.Tensor:
         """Per-sequence values (seq_sum's shape, or `[S]`) -> each token's sequence's value,
         broadcastable against the token shape (`[B, 1]` padded, `[N]` packed)."""
         if self.padded_layout:
             return v if v.dim() == 2 else v.unsqueeze(1)
-        return v.index_select(0, self.seq_of_row)
+        return segment_ops.segment_expand(v, self.cu_seqlens, self.seq_of_row, self.rows)
 
     def per_sequence(self, v: torch.Tensor) -> torch.Tensor:
         """Per-sequence values as `[S]`."""

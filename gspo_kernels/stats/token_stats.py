@@ -16,7 +16,7 @@ from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
 from ..config import check_backend, check_temperature
 from ..distributed.vocab_parallel import VocabShard
-from ..stage2.inputs import TokenLayout, check_mask, check_targets
+from ..stage2.inputs import TokenLayout, as_rows, check_mask, check_targets
 from .upstream import upstream_grads
 from .vocab_slice import shard_targets, slice_logits_grad
 
@@ -40,7 +40,10 @@ class TokenStatsFunction(torch.autograd.Function):
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)
         # Saving an output costs autograd a detach to save and one to unpack; the outputs are
-        # views of the kernel's rows when they take the token shape, else a detached alias is saved.
+        # views of the kernel's rows when they take another token shape, else a detached alias
+        # is saved (a view to the same shape would cost two ops where the alias costs one).
+        if out_shape == logp.shape:
+            out_shape = None
         saved_entropy = entropy if out_shape is not None else entropy.detach()
         ctx.save_for_backward(logits, targets, lse, saved_entropy, row_mask, owned)
         ctx.shard = shard
@@ -116,7 +119,7 @@ def selective_log_softmax(
     check_backend(backend)
     layout = TokenLayout.of_logits(logits)
     targets_flat = check_targets(target_ids, layout)
-    row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
+    row_mask = None if mask is None else as_rows(check_mask(mask, layout))
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard, target_ids.shape)
