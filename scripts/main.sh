@@ -6,25 +6,30 @@
 # (N=2048, V=32768), then the host cost of a tiny loss call. Results also go to results/*.json.
 # Every table of the long suite is there; its timings take fewer repetitions (no warm-up, at
 # least 3, then as many as fit 3 s a measurement: the median drops a first call's compile or
-# allocation), so that the job takes under 5 minutes on a 2-core CPU.
+# allocation), the float64 reference is timed forward + backward only (not each pass alone),
+# and Triton through its CPU interpreter checks 4 of the 12 fused-linear cases (each level,
+# dtype and layout; the tests run all 12), so that the job takes minutes on a 2-core CPU.
 #   ./scripts/main.sh [--full] [extra bench args, e.g. --plot results/bench.png]
-# --full: the bench's own repetitions (10, up to 20 s a measurement) and every fused-linear mode.
+# --full: the bench's own repetitions (10, up to 20 s a measurement), every fused-linear mode,
+# the reference's single passes and the whole check.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$("$ROOT/scripts/setup_env.sh" | tail -n 1)"
 cd "$ROOT"
 mkdir -p results
-quick=(--reps 5 --budget 3 --warmup 0)
+quick=(--reps 5 --budget 3 --warmup 0 --quick)
 linear=(--modes fwd+bwd --reps 3 --warmup 0)
+check=(--quick)
 if [ "${1:-}" = "--full" ]; then
     shift
     quick=()
     linear=()
+    check=()
 fi
 start=$SECONDS
 # Without a GPU the check runs the Triton kernels through Triton's CPU interpreter.
 if [ -e /dev/nvidia0 ]; then interpret=0; else interpret=1; fi
-TRITON_INTERPRET="${TRITON_INTERPRET:-$interpret}" "$PY" -m gspo_kernels check
+TRITON_INTERPRET="${TRITON_INTERPRET:-$interpret}" "$PY" -m gspo_kernels check "${check[@]}"
 "$PY" -m gspo_kernels bench "${quick[@]}" --json results/bench.json "$@"
 # The fused-linear problem (hidden states and lm_head weight, no logits): forward + backward
 # only unless --full.

@@ -43,9 +43,12 @@ def format_suite(result: SuiteResult) -> str:
         table, skipped = [], []
         for name in providers:
             first = next(r for r in rows if r.provider == name)
-            if first.status == "skipped":
+            if all(r.status == "skipped" for r in rows if r.provider == name):
                 skipped.append(f"{name} ({first.note})")
                 continue
+            left = [r for r in rows if r.provider == name and r.status == "skipped"]
+            if left:
+                skipped.append(f"{name} {' and '.join(r.mode for r in left)} ({left[0].note})")
             if all(cell.get((name, m)) is None or cell[(name, m)].status != "ok" for m in MODES):
                 table.append([name, *([first.status.upper()] * 3), "-", "-", "-", first.note[:60]])
                 continue

@@ -27,6 +27,7 @@ class SuiteConfig:
     budget_s: float = 20.0  # per (provider, shape, mode): slow baselines stop after 3 repetitions
     measure_memory: bool = True
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    quick: bool = False  # leave each provider's full_only_modes untimed
 
 
 @dataclass
@@ -103,16 +104,18 @@ class Measurement:
 
 
 def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
+    left = m.provider.full_only_modes if cfg.quick else ()
     reason = m.provider.unavailable(cfg.device)
     if reason is not None:
-        for _ in range(len(cfg.modes) + int(cfg.measure_memory)):
+        for _ in range(len([mode for mode in cfg.modes if mode not in left]) + int(cfg.measure_memory)):
             progress.step(f"{m.label}: skipped")
         return [BenchRow(**m.base, mode=mode, status="skipped", note=reason) for mode in cfg.modes]
-    rows = []
+    rows = [BenchRow(**m.base, mode=mode, status="skipped", note="timed without --quick")
+            for mode in cfg.modes if mode in left]
     step = None
     try:
         step = m.provider.build(m.problem)
-        for mode in cfg.modes:
+        for mode in (mode for mode in cfg.modes if mode not in left):
             progress.step(f"{m.label} {mode}")
             ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
             floor = None if m.floor_ms is None else m.floor_ms(mode) / ms
@@ -162,4 +165,7 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
 
 def steps_in(cfg: SuiteConfig) -> int:
     """Progress steps the suite will report (modes, plus a memory step per provider)."""
-    return len(cfg.shapes) * len(cfg.providers) * (len(cfg.modes) + int(cfg.measure_memory))
+    modes = len(cfg.modes) + int(cfg.measure_memory)
+    left = 0 if not cfg.quick else sum(len(set(PROVIDERS[p].full_only_modes) & set(cfg.modes)) for p in cfg.providers
+                                       if p in PROVIDERS)
+    return len(cfg.shapes) * (len(cfg.providers) * modes - left)

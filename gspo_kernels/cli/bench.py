@@ -118,7 +118,8 @@ def run(args) -> int:
             print("--plot needs matplotlib: pip install matplotlib (or the [bench] extra)")
             return 2
     cfg = SuiteConfig(shapes=shapes, dtype=args.dtype, providers=providers, modes=modes, reps=args.reps,
-                      warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device)
+                      warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device,
+                      quick=args.quick)
     progress = Progress(steps_in(cfg))
     result = run_suite(cfg, progress)
     progress.close()
@@ -157,6 +158,9 @@ def add_parser(commands) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--budget", type=float, default=20.0, help="seconds per measurement before stopping at 3 reps")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--quick", action="store_true",
+                   help="leave the float64 reference's forward and backward alone untimed (its fwd+bwd and "
+                        "memory stay): the main job's default")
     p.add_argument("--cpu", action="store_true", help="benchmark on the CPU even when a GPU is present")
     p.add_argument("--json", help="write one row per (provider, shape, mode) to this file")
     p.add_argument("--plot", help="also sweep V and N and draw time and memory to this PNG")

@@ -35,9 +35,36 @@ def test_bench_writes_rows_for_every_provider(tmp_path, capsys):
     assert "speed-up vs eager" in table and "skipped: liger" in table
 
 
+@pytest.mark.parametrize("quick", [False, True])
+def test_quick_bench_leaves_the_references_single_passes_to_the_full_one(tmp_path, capsys, quick):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shapes", "2x8x64", "--reps", "1", "--warmup", "0", "--providers", "eager,reference",
+            "--no-memory", "--json", str(out)] + (["--quick"] if quick else [])
+    assert main(args) == 0
+    status = {(r["provider"], r["mode"]): r["status"] for r in json.loads(out.read_text())["rows"]}
+    assert status[("reference", "fwd+bwd")] == "ok"
+    assert all(status[("eager", m)] == "ok" for m in ("forward", "backward", "fwd+bwd"))
+    single = {status[("reference", m)] for m in ("forward", "backward")}
+    assert single == ({"skipped"} if quick else {"ok"})
+    assert ("reference forward and backward (timed without --quick)" in capsys.readouterr().out) == quick
+
+
 def test_check_passes_on_the_torch_backend(capsys):
     assert main(["check", "--backends", "torch", "--vocab", "64", "--seq-len", "6"]) == 0
     assert "18/18 cases pass" in capsys.readouterr().out
+
+
+def test_quick_check_keeps_every_level_dtype_and_layout_of_the_fused_linear_grid():
+    import itertools
+
+    from gspo_kernels.cli import check
+    from gspo_kernels.config import LEVELS
+
+    grid = list(itertools.product(("fp32", "bf16"), ("padded", "packed"), LEVELS))
+    kept = [case for i, case in enumerate(grid) if check._quick_subset(i)]
+    assert len(kept) == 4
+    for position, values in enumerate((("fp32", "bf16"), ("padded", "packed"), LEVELS)):
+        assert {case[position] for case in kept} == set(values)
 
 
 def test_every_provider_has_a_reason_when_unavailable():
