@@ -70,6 +70,27 @@ def all_reduce_max(local: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def sum_over_ranks(local: torch.Tensor, group, in_rank_order: bool = False) -> torch.Tensor:
+    """The elementwise sum of `local` over the group's ranks, the same bits on every rank (not
+    differentiable). Default: an all_reduce, in place. in_rank_order: each element's sum is a
+    function of the ranks' values at that element alone, added in rank order after an
+    all_gather: an all_reduce may add an element's addends in an order that follows the
+    tensor's size and the element's place in it (gloo on 3 and 4 ranks did: a row's merged
+    statistics changed with the rows around it). Two addends are added alike in any order
+    (a + b == b + a), so with 2 ranks the all_reduce is kept; with more, the gather holds one
+    copy of `local` per rank."""
+    world = dist.get_world_size(group)
+    if not in_rank_order or world <= 2:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        return local
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 def check_group(name: str, group) -> None:
     if group is None:
         return

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_max, check_group
+from .collectives import all_reduce_max, check_group, sum_over_ranks
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,12 @@ class VocabShard:
             raise ValueError(f"vocab_start must be an int >= 0 (a global vocab id); got {vocab_start!r}")
         return VocabShard(group, vocab_start, local_vocab)
 
-    def merge(self, logp_k, entropy_k, lse_k, owned):
+    def merge(self, logp_k, entropy_k, lse_k, owned, in_rank_order: bool = False):
         """The global (logp, entropy, lse) of each row from this slice's stats; lse is NaN for
         a row with no finite softmax or no single owner of its target, so that stage 3's row
-        rule turns such a row (when in the loss) into NaN, as on one process."""
+        rule turns such a row (when in the loss) into NaN, as on one process. in_rank_order
+        (batch_invariant): the sums added in rank order, so that a row's bits do not follow
+        the rows merged with it (collectives.sum_over_ranks; the max is exact in any order)."""
         bad = torch.isnan(lse_k) | (lse_k == float("inf"))
         peak = all_reduce_max(torch.where(bad, torch.full_like(lse_k, float("-inf")), lse_k), self.group)
         shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
@@ -76,7 +78,7 @@ class VocabShard:
             owned.to(weight.dtype),
             bad.to(weight.dtype),
         ])
-        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=self.group)
+        parts = sum_over_ranks(parts, self.group, in_rank_order)
         mass, mean_total, target_total, owners, n_bad = parts.unbind(0)
         log_mass = torch.log(mass)
         no_softmax = (n_bad > 0) | (mass == 0)

@@ -15,10 +15,10 @@ slower than fp32, so both operands are upcast there).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import backends
 from ..backends.contract import GradInputs
+from ..distributed.collectives import sum_over_ranks
 from ..stats.upstream import nan_lse_for_bad_targets, upstream_grads
 from ..stats.vocab_slice import shard_targets
 from .plan import LinearPass
@@ -48,8 +48,9 @@ class FusedLinearTokenStats(torch.autograd.Function):
                 logits = invariant_logits(weight, bias, hidden[part], how.blocks)
             logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
         if how.shard is not None:
-            # One merge for all rows after the loop: two collectives per call, not per chunk.
-            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
+            # One merge for all rows after the loop: two collectives per call, not per chunk; lse
+            # NaN where no single owner. batch_invariant: the ranks' sums added in rank order.
+            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned, how.linear.batch_invariant)
         else:
             lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # for the vocab sweep's blocks
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
@@ -81,7 +82,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
             # A slice's partial d hidden is summed over ranks in float32, then rounded once.
             d_hidden, d_weight, d_bias = rows_sweep(backend, saved, how.chunk, need, reduce_hidden, fp32)
         if d_hidden is not None and reduce_hidden:
-            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)
+            d_hidden = sum_over_ranks(d_hidden, how.shard.group, how.linear.batch_invariant)
         return (None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype)) + none

@@ -11,10 +11,10 @@ products of tiles in which each row's probability mass is below filter_eps.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import backends
 from ..backends.contract import GradInputs
+from ..distributed.collectives import sum_over_ranks
 from ..stats.upstream import nan_lse_for_bad_targets, upstream_grads
 from ..stats.vocab_slice import shard_targets
 
@@ -33,7 +33,8 @@ class TiledLinearTokenStats(torch.autograd.Function):
             kernel_targets = torch.where(owned, local, torch.full_like(local, -1))  # -1: no one-hot here
         logp, entropy, lse = triton_tiles.token_stats(hidden, weight, bias, kernel_targets, how.inv_temperature)
         if shard is not None:
-            logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
+            # lse NaN where no single owner; batch_invariant: the ranks' sums added in rank order
+            logp, entropy, lse = shard.merge(logp, entropy, lse, owned, how.linear.batch_invariant)
         else:
             lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # the kernels' row rule reads only lse
         ctx.save_for_backward(hidden, weight, bias, kernel_targets, lse, entropy, row_mask)
@@ -55,7 +56,7 @@ class TiledLinearTokenStats(torch.autograd.Function):
                                         how.linear.batch_invariant)
         d_hidden = g.hidden
         if d_hidden is not None and how.reduce_hidden_grad:
-            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=how.shard.group)
+            d_hidden = sum_over_ranks(d_hidden, how.shard.group, how.linear.batch_invariant)
         return (None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if g.weight is None else g.weight.to(weight.dtype),
                 None if g.bias is None else g.bias.to(bias.dtype)) + none
