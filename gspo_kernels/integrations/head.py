@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import LinearConfig
 from ..linear import fused_linear_selective_log_softmax
 
 
@@ -32,11 +33,13 @@ def _call_as_forward(module: torch.nn.Module, fn, *args):
 
 
 def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                     mask: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+                     mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                     linear: LinearConfig | None = None):
     """(log-probs, entropies) of `targets` under softmax(head(hidden) / temperature), from
     fused_linear_selective_log_softmax on the head's weight and bias as its own forward sees
     them. dtype: what hidden, weight and bias are cast to (float32 for TRL's
     cast_lm_head_to_fp32; verl's fused forwards use the hidden states'); None: the weight's.
+    linear: how the fused-linear call runs (the trainer's batch_invariant); None: the defaults.
     The head's products are formed by the kernels (float32 results), not by autocast.
 
     A PEFT adapter on the head itself is refused: its delta never enters `head.weight`, so it
@@ -56,6 +59,7 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
             bias = None if bias is None else bias.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             return fused_linear_selective_log_softmax(hidden.to(weight.dtype), weight, targets, bias=bias,
-                                                      temperature=temperature, return_entropy=True, mask=mask)
+                                                      temperature=temperature, return_entropy=True, mask=mask,
+                                                      linear=linear)
 
     return _call_as_forward(head, stats, hidden)

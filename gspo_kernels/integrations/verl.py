@@ -25,6 +25,10 @@ monkey patch install `forward_with_gspo_kernels` on text models: the backbone, t
 fused_linear_selective_log_softmax on the hidden states and the lm_head weight, returning
 verl's CausalLMOutputForPPO (log_probs, entropy). A model verl patches with its own forward
 (the vision-language ones) keeps verl's torch backend, with a warning.
+`+actor_rollout_ref.model.fused_kernel_options.batch_invariant=True` runs that fused-linear call
+with LinearConfig(batch_invariant=True): verl's FSDP engine, where it builds the model, hands the
+option to the model (`_with_linear_options`); a value that is not a bool, or the option without
+this fused forward, is refused there.
 
 Importing it also mends verl 0.9.1's actor build next to trl >= 1.0 (`_trl_value_head_available`).
 
@@ -35,7 +39,9 @@ seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import importlib.util
+import sys
 import warnings
 
 import torch
@@ -43,7 +49,7 @@ from verl.models.transformers import monkey_patch
 from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
 from verl.trainer.ppo.core_algos import get_policy_loss_fn, register_policy_loss
 
-from ..config import GSPOConfig
+from ..config import GSPOConfig, LinearConfig
 from ..policy_loss import policy_loss
 from .head import head_token_stats
 
@@ -169,10 +175,92 @@ def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, positio
         raise RuntimeError("forward_with_gspo_kernels needs labels, shift_labels or input_ids")
     # Through the head's own call: under FSDP2 verl wraps an untied lm_head as its own unit.
     hidden = outputs[0]
-    log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype)
+    log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype,
+                                          linear=getattr(self, LINEAR_ATTRIBUTE, None))
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
+
+# --- fused-linear options from verl's config: fused_kernel_options.batch_invariant -----------
+
+LINEAR_ATTRIBUTE = "gspo_kernels_linear"  # the LinearConfig a built model's fused forward runs with
+_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+
+def linear_config(model_config) -> LinearConfig | None:
+    """The LinearConfig that verl's model config asks for through
+    `fused_kernel_options.batch_invariant` (None when the key is absent). TypeError for a value
+    that is not a bool; ValueError for batch_invariant=True without this fused forward
+    (use_fused_kernels=True and impl_backend=gspo_kernels), which it would never reach."""
+    options = getattr(model_config, "fused_kernel_options", None) or {}
+    if "batch_invariant" not in options:
+        return None
+    value = options["batch_invariant"]
+    if not isinstance(value, bool):
+        raise TypeError(f"fused_kernel_options.batch_invariant must be true or false; got {value!r}")
+    if value and not (getattr(model_config, "use_fused_kernels", False) and options.get("impl_backend") == BACKEND):
+        raise ValueError("fused_kernel_options.batch_invariant=True is an option of gspo_kernels' fused forward: set "
+                         f"use_fused_kernels=True and fused_kernel_options.impl_backend={BACKEND}")
+    return LinearConfig(batch_invariant=value)
+
+
+def _with_linear_options(build):
+    """verl's FSDPEngine._build_module, which reads fused_kernel_options and patches the model's
+    forward, followed by handing linear_config's LinearConfig to the model it built: an instance
+    attribute, which the forward reads off `self` (FSDP2's fully_shard wraps that instance in
+    place, changing its class only)."""
+    @functools.wraps(build)
+    def _build_module(self):
+        linear = linear_config(self.model_config)  # a bad value fails before the weights load
+        module = build(self)
+        if linear is not None:
+            if linear.batch_invariant and type(module).forward is not forward_with_gspo_kernels:
+                raise ValueError(f"fused_kernel_options.batch_invariant=True: {type(module).__name__} runs verl's own "
+                                 "forward (see the warning above), which the option does not reach")
+            setattr(module, LINEAR_ATTRIBUTE, linear)
+        return module
+
+    _build_module.gspo_kernels = True
+    return _build_module
+
+
+def _hook_engine(engine_module) -> None:
+    engine = getattr(engine_module, "FSDPEngine", None)
+    if engine is not None and not getattr(engine._build_module, "gspo_kernels", False):
+        engine._build_module = _with_linear_options(engine._build_module)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` once `name` has been imported, by whoever imports it. The engine is
+    not imported here: this module runs inside `import verl` (VERL_USE_EXTERNAL_MODULES), and the
+    engine's import picks verl's device platform, before a caller could register its own."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; the search below then finds the module as it would have
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            exec_module = spec.loader.exec_module
+
+            def exec_then(module):
+                exec_module(module)
+                self.then(module)
+
+            spec.loader.exec_module = exec_then
+        return spec
+
+
+if _ENGINE_MODULE in sys.modules:
+    _hook_engine(sys.modules[_ENGINE_MODULE])
+elif not any(isinstance(f, _AfterImport) and f.name == _ENGINE_MODULE for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImport(_ENGINE_MODULE, _hook_engine))
+
+
+# --- verl's monkey patch ---------------------------------------------------------------------
 
 _verl_patch = monkey_patch.patch_forward_with_backends
 _verl_is_trl_available = monkey_patch.is_trl_available

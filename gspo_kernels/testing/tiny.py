@@ -36,9 +36,11 @@ def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0
     return transformers.LlamaForCausalLM(config)
 
 
-def tiny_grpo_trainer(trainer_cls, model, output_dir: str, **overrides):
+def tiny_grpo_trainer(trainer_cls, model, output_dir: str, config_cls=None, **overrides):
     """trainer_cls (TRL's GRPOTrainer or the drop-in) on CPU in float32 (TRL's CPU default is
-    bf16 autocast), 4 prompts a step in groups of 2, a reward that counts characters."""
+    bf16 autocast), 4 prompts a step in groups of 2, a reward that counts characters.
+    config_cls: the arguments' class (default trl.GRPOConfig; the drop-in's GRPOConfig for its
+    own options)."""
     import datasets
     import trl
 
@@ -50,5 +52,6 @@ def tiny_grpo_trainer(trainer_cls, model, output_dir: str, **overrides):
     def reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    return trainer_cls(model=model, reward_funcs=reward, args=trl.GRPOConfig(**settings), train_dataset=prompts,
+    config_cls = trl.GRPOConfig if config_cls is None else config_cls
+    return trainer_cls(model=model, reward_funcs=reward, args=config_cls(**settings), train_dataset=prompts,
                        processing_class=tiny_tokenizer())

@@ -1,7 +1,9 @@
 """The TRL drop-in against TRL's own GRPOTrainer, on the same batch and the same tiny random
 model (two copies): loss (relative error < 1e-5 in fp32), every parameter gradient (< 1e-4)
 and the metrics TRL logs, for each supported option combination; each fallback warns once and
-gives TRL's own result. Plus one offline train() step through the drop-in."""
+gives TRL's own result. Plus one offline train() step through the drop-in, and the drop-in's
+GRPOConfig.batch_invariant: it reaches the fused-linear call, and a sequence's log-probs are
+then bitwise the same alone and in a batch."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
-from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
+from gspo_kernels.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from gspo_kernels.testing.tiny import PAD, tiny_grpo_trainer, tiny_llama  # noqa: E402
 
@@ -27,8 +29,8 @@ def _model():
     return tiny_llama()
 
 
-def _trainer(cls, model, tmp_path, **overrides):
-    return tiny_grpo_trainer(cls, model, str(tmp_path), max_completion_length=COMPLETION, **overrides)
+def _trainer(cls, model, tmp_path, completion=COMPLETION, **overrides):
+    return tiny_grpo_trainer(cls, model, str(tmp_path), max_completion_length=completion, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +240,114 @@ def test_train_step_offline(tmp_path):
     assert not [w for w in caught if str(w.message).startswith("gspo_kernels:")]
     logged = trainer.state.log_history[0]
     assert math.isfinite(logged["loss"]) and "entropy" in logged and "clip_ratio/region_mean" in logged
+
+
+# --- batch_invariant: the drop-in's GRPOConfig field ------------------------------------------
+
+# 7 completion tokens: a sequence alone gives the lm_head product 7 rows, a batch of 5 gives it
+# 35, shapes for which this CPU's matmul picks different kernels (a 2-core AVX2 EPYC, torch
+# 2.14.1: the default path then gave the row other bits, see the last test).
+INVARIANT_COMPLETION = 7
+
+
+def _spy_on_the_fused_call(monkeypatch) -> list:
+    """The `linear` of every fused-linear call the drop-in makes (head.py calls it)."""
+    from gspo_kernels.integrations import head
+
+    seen, plain = [], head.fused_linear_selective_log_softmax
+
+    def spy(*args, linear=None, **kwargs):
+        seen.append(linear)
+        return plain(*args, linear=linear, **kwargs)
+
+    monkeypatch.setattr(head, "fused_linear_selective_log_softmax", spy)
+    return seen
+
+
+def test_batch_invariant_reaches_the_fused_linear_call(trainers, tmp_path, monkeypatch):
+    """GRPOConfig.batch_invariant reaches LinearConfig in the loss and in the no-grad log-prob
+    pass; TRL's own GRPOConfig (no such field) reads as False; a bad value fails when the
+    trainer is built."""
+    theirs, ours = trainers
+    seen = _spy_on_the_fused_call(monkeypatch)
+    batch = _batch(theirs)
+    case = dict(level="sequence", loss_type="grpo", beta=0.04)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    _run(ours, batch, case)
+    assert [linear.batch_invariant for linear in seen] == [False]
+    invariant = _trainer(GRPOTrainer, _model(), tmp_path / "invariant", config_cls=GRPOConfig, batch_invariant=True)
+    seen.clear()
+    _run(invariant, batch, case)
+    with torch.no_grad():
+        invariant._get_per_token_logps_and_entropies(invariant.model, ids, attention, COMPLETION, batch_size=4)
+    assert [linear.batch_invariant for linear in seen] == [True, True, True]  # the loss, then two chunks of rows
+    with pytest.raises(TypeError, match="GRPOConfig.batch_invariant must be True or False; got 'yes'"):
+        _trainer(GRPOTrainer, _model(), tmp_path / "bad", config_cls=GRPOConfig, batch_invariant="yes")
+
+
+@pytest.fixture(scope="module")
+def invariant_trainer(tmp_path_factory):
+    """The drop-in with batch_invariant=True on a Llama with no decoder layer. The model body is
+    the user's (docs/fused_linear.md): its matmuls give a row other bits in another batch on this
+    CPU (a 2-layer Llama did). With none, the body (embedding, final norm) works row by row, so a
+    row's hidden states are the same in any batch (checked below), and what is tested is the
+    drop-in's part: slicing the completion's hidden states, calling the head, the fused-linear call.
+    Temperature 0.7: at 1.0 the default path's logits of these sequences differed alone and in the
+    batch too, but every log-prob and entropy rounded to the same bits (cpu backend), so the last
+    test would have had nothing to show."""
+    return _trainer(GRPOTrainer, tiny_llama(layers=0), tmp_path_factory.mktemp("invariant"),
+                    completion=INVARIANT_COMPLETION, config_cls=GRPOConfig, batch_invariant=True, temperature=0.7)
+
+
+def _alone_and_in_a_batch(trainer):
+    """For each of 5 sequences (different prompts and completions, left padding, a completion 3
+    tokens short): its (log-probs, entropies) alone and inside the batch of 5, from the drop-in's
+    no-grad log-prob pass (the old and reference policies' log-probs), and the body's hidden
+    states both ways."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 60, (5, PROMPT + INVARIANT_COMPLETION), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[0, :2] = attention[2, :1] = attention[3, :3] = 0  # left padding
+    attention[4, -3:] = 0  # a completion 3 tokens short
+    ids = ids.masked_fill(attention == 0, PAD)
+
+    def run(rows):
+        logp, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids[rows], attention[rows], INVARIANT_COMPLETION, compute_entropy=True)
+        hidden = trainer.model.model(input_ids=ids[rows], attention_mask=attention[rows]).last_hidden_state
+        return logp, entropy, hidden
+
+    with torch.no_grad():
+        batch = run(slice(0, 5))
+        return [(run(slice(i, i + 1)), tuple(t[i:i + 1] for t in batch)) for i in range(5)]
+
+
+def _differing(pairs) -> list[str]:
+    """What differs in bits between a sequence alone and in the batch: (sequence, output)."""
+    return [f"sequence {i}: {name}" for i, (alone, in_batch) in enumerate(pairs)
+            for name, a, b in zip(("log-probs", "entropies"), alone[:2], in_batch[:2]) if not torch.equal(a, b)]
+
+
+def test_batch_invariant_log_probs_alone_equal_in_a_batch(invariant_trainer):
+    pairs = _alone_and_in_a_batch(invariant_trainer)
+    for alone, in_batch in pairs:  # the body's part: the same input to the head
+        assert torch.equal(alone[2], in_batch[2])
+    assert not _differing(pairs)
+
+
+def test_without_batch_invariant_the_log_probs_can_differ(invariant_trainer):
+    """The check above can fail: on this CPU the default path gives some of these sequences other
+    bits alone than in the batch (the logits of a 7-row product differ from those of a 35-row one
+    in the last bits; the log-prob's rounding hides that for some sequences, not for all). Where a
+    machine's matmul gives every sequence the same bits there is nothing to show, and the test is
+    skipped (never a failure made up)."""
+    invariant_trainer.args.batch_invariant = False  # read at every call, as TRL's options are
+    try:
+        pairs = _alone_and_in_a_batch(invariant_trainer)
+    finally:
+        invariant_trainer.args.batch_invariant = True
+    for alone, in_batch in pairs:
+        assert torch.equal(alone[2], in_batch[2])
+    if not _differing(pairs):
+        pytest.skip("without batch_invariant every sequence got the same bits alone and in the batch on this machine")

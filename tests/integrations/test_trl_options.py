@@ -1,13 +1,15 @@
 """The TRL option mapping (integrations/trl/options.py) on plain values, without TRL installed:
-which GSPOConfig and normalizer each loss type gets, and which settings fall back."""
+which GSPOConfig and normalizer each loss type gets, which settings fall back, and the
+LinearConfig that GRPOConfig.batch_invariant gives the fused-linear token stats."""
 
 import types
 
 import pytest
 import torch
 
+from gspo_kernels.config import LinearConfig
 from gspo_kernels.integrations.trl.options import (SUPPORTED_LOSS_TYPES, StepCounts, TRLSettings, gspo_config,
-                                                   normalizer, scaled_logits, unsupported_setting)
+                                                   linear_config, normalizer, scaled_logits, unsupported_setting)
 
 
 def test_clip_losses_map_onto_the_clip_objective():
@@ -86,3 +88,12 @@ def test_scaled_logits():
     assert scaled_logits(types.SimpleNamespace(logits_scaling=0.5)) == "logits_scaling"
     nested = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(output_multiplier=2.0))
     assert scaled_logits(nested) == "output_multiplier"
+
+
+def test_batch_invariant_maps_onto_the_linear_config():
+    assert linear_config(TRLSettings()) == LinearConfig()  # TRL's own GRPOConfig has no such field: off
+    assert linear_config(TRLSettings(batch_invariant=False)).batch_invariant is False
+    assert linear_config(TRLSettings(batch_invariant=True)) == LinearConfig(batch_invariant=True)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=f"GRPOConfig.batch_invariant must be True or False; got {bad!r}"):
+            linear_config(TRLSettings(batch_invariant=bad))

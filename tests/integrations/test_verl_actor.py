@@ -4,7 +4,9 @@ the way verl's trainer feeds it (a padded DataProto turned padding-free), on 1 a
 processes. Each configuration runs `compute_log_prob` and one `update_actor` with gk_<mode>
 (fused forward off, then on) and with verl's own <mode> (fused forward off), and compares
 log-probs, entropies, the loss and its metrics and every parameter's gradient as the optimizer
-sees it (gathered from the FSDP2 shards)."""
+sees it (gathered from the FSDP2 shards). Plus one fused worker built with
++fused_kernel_options.batch_invariant=true: every fused-linear call of its compute_log_prob
+gets LinearConfig(batch_invariant=True)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch.distributed as dist
 pytest.importorskip("verl.workers.engine_workers")
 pytest.importorskip("hydra")
 from trainer_world import join, leave, run  # noqa: E402
+
+from gspo_kernels.config import LinearConfig  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -166,6 +170,34 @@ def _compare(got: dict, want: dict, mask: torch.Tensor) -> dict:
     return errors
 
 
+def _batch_invariant_run(model_dir, rank, world) -> dict:
+    """compute_log_prob of a fused gk_gspo worker built with the batch_invariant key; the
+    `linear` of every fused-linear call it made (a spy on the call)."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    import gspo_kernels.integrations.verl as gk_verl
+    from gspo_kernels.integrations import head
+
+    seen, plain = [], head.fused_linear_selective_log_softmax
+
+    def spy(*args, linear=None, **kwargs):
+        seen.append(linear)
+        return plain(*args, linear=linear, **kwargs)
+
+    keys = _overrides(model_dir, "gk_gspo", "token-mean", True, False, True, world)
+    keys.append("+actor_rollout_ref.model.fused_kernel_options.batch_invariant=true")
+    worker = ActorRolloutRefWorker(_config(keys), role="actor")
+    worker.init_model()
+    head.fused_linear_selective_log_softmax = spy
+    try:
+        log_probs = _log_probs(worker, _batch(rank, None))[0]
+    finally:
+        head.fused_linear_selective_log_softmax = plain
+    module = worker.actor.engine.module
+    return {"calls": [repr(linear) for linear in seen], "module": type(module).__name__,
+            "attribute": repr(getattr(module, gk_verl.LINEAR_ATTRIBUTE, None)), "log_probs": log_probs}
+
+
 def _worker(rank: int, port: int, out: str, world: int) -> None:
     join(rank, world, port)
     os.environ["VERL_USE_EXTERNAL_MODULES"] = "gspo_kernels.integrations.verl"
@@ -203,6 +235,12 @@ def _worker(rank: int, port: int, out: str, world: int) -> None:
                 result["forwards"][name] = ours["forward"] is gk_verl.forward_with_gspo_kernels
                 result["grad_norms"][name] = float(torch.stack([g.norm() for g in ours["grads"].values()]).norm())
                 result["clipfrac"][name] = ours["metrics"]["actor/pg_clipfrac"]
+        # +fused_kernel_options.batch_invariant=true through the worker: the model verl's engine
+        # built and FSDP2 wrapped hands it to every fused-linear call of compute_log_prob
+        result["batch_invariant"] = _batch_invariant_run(models[False], rank, world)
+        want = verl_runs[(False, True, False, "gspo", "token-mean")]["log_probs"]
+        result["batch_invariant"]["log_probs_error"] = float((result["batch_invariant"].pop("log_probs")
+                                                              - want)[mask].abs().max())
         # what docs/trainers.md tells a verl user: the class keeps the fused forward
         later = _build(models[False], "vanilla", "token-mean", False, False, False, world)
         result["unfused_after_fused"] = type(later.actor.engine.module).forward is gk_verl.forward_with_gspo_kernels
@@ -217,6 +255,10 @@ def test_verl_actor_worker_against_verls_own_losses(world, tmp_path):
     assert len(errors) == 2 * 2 * len(SETTINGS) * len(MODES) * len(AGGS)
     assert result["fallback_warnings"] == []
     assert result["unfused_after_fused"]
+    invariant = result["batch_invariant"]  # the key reached the model FSDP2 wrapped, and each call
+    assert invariant["module"].startswith("FSDP") and invariant["attribute"] == repr(LinearConfig(batch_invariant=True))
+    assert invariant["calls"] and set(invariant["calls"]) == {repr(LinearConfig(batch_invariant=True))}, invariant
+    assert invariant["log_probs_error"] < 1e-5, invariant  # against verl's own unfused log-probs
     # the fused runs ran our forward, and only they did
     assert all(result["forwards"][name] == name.endswith("/fused") for name in errors), result["forwards"]
     # the batch clips some tokens or sequences but not all, in every case, and trains every case

@@ -1,6 +1,7 @@
 """TRL's options mapped onto gspo_kernels': a GSPOConfig and a normalizer that reproduce TRL's
-own numbers. Plain values in, plain values out, so the mapping is testable without TRL
-installed; trainer.py reads the settings off a live GRPOTrainer (`TRLSettings.of`).
+own numbers, and the LinearConfig of the fused-linear token stats (`batch_invariant`, a field of
+the drop-in's GRPOConfig). Plain values in, plain values out, so the mapping is testable without
+TRL installed; trainer.py reads the settings off a live GRPOTrainer (`TRLSettings.of`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import GSPOConfig
+from ...config import GSPOConfig, LinearConfig
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 # Inputs of vision-language models: the fused path feeds text models only.
@@ -47,6 +48,7 @@ class TRLSettings:
     vllm_clip_min: float | None = None
     vllm_clip_max: float | None = None
     max_completion_length: int = 256
+    batch_invariant: bool = False  # the drop-in's GRPOConfig field (absent from TRL's own: False)
 
     @staticmethod
     def of(trainer) -> "TRLSettings":
@@ -64,7 +66,8 @@ class TRLSettings:
             vllm_mode=trainer.vllm_importance_sampling_mode,
             vllm_clip_min=trainer.vllm_importance_sampling_clip_min,
             vllm_clip_max=trainer.vllm_importance_sampling_clip_max,
-            max_completion_length=trainer.max_completion_length)
+            max_completion_length=trainer.max_completion_length,
+            batch_invariant=getattr(args, "batch_invariant", False))
 
 
 def unsupported_setting(settings: TRLSettings) -> str | None:
@@ -122,6 +125,15 @@ def gspo_config(settings: TRLSettings) -> GSPOConfig:
         options.update(rollout_correction=_ROLLOUT_MODES[settings.vllm_mode], rollout_sequence_weight="product",
                        rollout_is_min=settings.vllm_clip_min, rollout_is_max=settings.vllm_clip_max)
     return GSPOConfig(**options)
+
+
+def linear_config(settings: TRLSettings) -> LinearConfig:
+    """The LinearConfig of the fused-linear token stats (the log-prob passes and the loss) for
+    these settings; TypeError for a batch_invariant that is not a bool."""
+    value = settings.batch_invariant
+    if not isinstance(value, bool):
+        raise TypeError(f"GRPOConfig.batch_invariant must be True or False; got {value!r}")
+    return LinearConfig(batch_invariant=value)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ option is read from the trainer when the loss runs and mapped onto a GSPOConfig 
 normalizer that reproduce TRL's own numbers (options.py); an option this path cannot honour
 sends that call to TRL's own code, with one warning naming it.
 
+`GRPOConfig` is TRL's with the drop-in's own field, `batch_invariant` (passed to the fused-linear
+token stats as LinearConfig.batch_invariant).
+
 Tested against trl 1.16 (tests/integrations/); docs/trainers.md states the range.
 """
 
@@ -16,18 +19,33 @@ from __future__ import annotations
 
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trl
 from accelerate.utils import is_peft_model
 
-from ...config import GSPOConfig
+from ...config import GSPOConfig, LinearConfig
 from ...policy_loss import policy_loss
 from ..head import head_token_stats
 from . import options
 from .metrics import log_trl_metrics
 from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """trl.GRPOConfig plus the drop-in's own option (also a command-line flag through TRL's parser).
+
+    batch_invariant: the fused-linear head gives each completion token the same log-prob and
+    entropy bits whatever batch its sequence is in (LinearConfig.batch_invariant,
+    docs/fused_linear.md), in the training loss and the old and reference log-prob passes alike.
+    The model body, which makes the hidden states, is not covered: it is batch-invariant only if
+    the model runs in a batch-invariant mode of its own. A plain trl.GRPOConfig reads as False."""
+
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "gspo_kernels: bitwise batch-invariant log-probs and entropies from the fused-linear lm_head "
+                "(LinearConfig.batch_invariant); the model body is not covered."})
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class _StatsRequest:
     mask: torch.Tensor  # (B, C) bool: the rows in the loss
     temperature: float
     head_in_fp32: bool
+    linear: LinearConfig  # how the fused-linear call runs (options.linear_config)
 
 
 def _install_stats_forward(model) -> None:
@@ -60,7 +79,7 @@ def _install_stats_forward(model) -> None:
         # (ZeRO-3) for it, as for its forward.
         return head_token_stats(self.get_output_embeddings(), hidden, gspo_stats.targets,
                                 temperature=gspo_stats.temperature, mask=gspo_stats.mask,
-                                dtype=torch.float32 if gspo_stats.head_in_fp32 else None)
+                                dtype=torch.float32 if gspo_stats.head_in_fp32 else None, linear=gspo_stats.linear)
 
     model.forward = types.MethodType(forward, model)
 
@@ -70,6 +89,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        options.linear_config(TRLSettings.of(self))  # a bad batch_invariant fails here, not at the first step
         self._gspo_warned: set[str] = set()
         self._gspo_in_fallback = False
         _install_stats_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
@@ -110,13 +130,16 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _gspo_fallback(self, reason: str) -> None:
         if reason not in self._gspo_warned:
             self._gspo_warned.add(reason)
+            invariant = (" (batch_invariant does not reach TRL's code: these log-probs are TRL's)"
+                         if TRLSettings.of(self).batch_invariant else "")
             warnings.warn(f"gspo_kernels: {reason} is not supported by the fused loss; this trainer runs TRL's own "
-                          "loss code for it", stacklevel=3)
+                          f"loss code for it{invariant}", stacklevel=3)
 
     def _gspo_stats(self, model, input_ids, attention_mask, completion_len: int):
         """(log-probs, entropies) of the completion tokens, through the model's patched forward."""
         request = _StatsRequest(input_ids[:, -completion_len:], attention_mask[:, -completion_len:] != 0,
-                                self.temperature, bool(self.args.cast_lm_head_to_fp32))
+                                self.temperature, bool(self.args.cast_lm_head_to_fp32),
+                                options.linear_config(TRLSettings.of(self)))
         with self.accelerator.autocast():  # the trainer's mixed precision for the backbone, as TRL runs it
             return model(input_ids=input_ids, attention_mask=attention_mask, gspo_stats=request)
 
