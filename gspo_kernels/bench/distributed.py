@@ -2,7 +2,8 @@
 against one process on the same whole problem.
 
 Communication is counted, not computed: the workers wrap torch.distributed's all_reduce (the
-one collective the loss calls) and add up each call's payload (the bytes of the tensor handed to the
+one collective the loss calls on 2 processes; on 3 or more the vocab merge's sums, and
+batch_invariant's `d hidden` sum, are an all_gather added in rank order instead) and add up each call's payload (the bytes of the tensor handed to the
 collective; a ring all_reduce sends about 2 (W-1)/W times that per rank). The payload does
 not depend on V, so it is counted at the issue's N with a small vocab, next to the bytes of
 the baseline that gathers the bf16 logits, N x V x 2, at the issue's V.

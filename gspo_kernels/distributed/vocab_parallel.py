@@ -7,7 +7,8 @@ partial statistics of the slice; two collectives on `[N]`-sized tensors merge th
 same merge the kernels do between vocab blocks:
 
     M   = max_k lse_k                              (all_reduce MAX)
-    S0  = sum_k exp(lse_k - M)                     (one all_reduce SUM of five rows)
+    S0  = sum_k exp(lse_k - M)                     (one all_reduce SUM of five rows; added in
+                                                    rank order on 3+ ranks where asked)
     S1  = sum_k exp(lse_k - M) * E_k[z - M]        E_k[z] = lse_k - H_k, the slice's mean
     S2  = (z_y - M) on the owning rank, else 0     z_y = logp_k + lse_k there
     lse = M + log S0,   H = log S0 - S1 / S0,   logp = S2 - log S0

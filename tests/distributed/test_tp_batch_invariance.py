@@ -7,7 +7,9 @@ within float tolerance. The product blocks are shrunk, as in tests/linear/test_b
 so that each rank's slice (51 and 50 of 101 columns; 34, 34, 33) spans several vocab blocks and
 36 rows several row blocks. On 3 ranks the cross-rank sums are the ones added in rank order
 (distributed.collectives.sum_over_ranks): gloo's all_reduce gave a row other bits in another
-batch there. docs/fused_linear.md, "Batch invariance", says what holds and what does not.
+batch there. The logits path (selective_log_softmax with tp_group, no option needed) is held
+to the same per-row guarantee: its vocab merge adds in rank order too. docs/fused_linear.md,
+"Batch invariance", says what holds and what does not.
 
 The workers are spawned the way dist_harness.py spawns them (file init, one thread each); each
 writes its failures, the parent merges them."""
@@ -129,6 +131,37 @@ def _check_rows(rank: int, world: int, path) -> tuple[list[str], dict]:
     return failures, moved
 
 
+def _logits_stats(shard: _Rank, backend: str, logits, targets, coef):
+    """The logits path (selective_log_softmax on this rank's vocab slice of `logits [n, V]`):
+    (logp, entropy, d logits slice)."""
+    import gspo_kernels as gk
+
+    leaf = logits[:, shard.start:shard.start + shard.weight.shape[0]].detach().clone().requires_grad_()
+    logp, entropy = gk.selective_log_softmax(leaf, targets, 0.9, return_entropy=True, backend=backend,
+                                             **shard.group)
+    (logp * coef[:, 0] + entropy * coef[:, 1]).sum().backward()
+    return logp.detach(), entropy.detach(), leaf.grad
+
+
+def _check_logits_rows(rank: int, world: int, backend: str) -> list[str]:
+    """The logits path needs no option: its vocab merge adds the ranks' sums in rank order."""
+    hidden, weight, bias, targets, coef = _operands(torch.float32)
+    shard = _Rank(rank, world, weight, bias)
+    logits = (hidden @ weight.T + bias).to(torch.bfloat16)
+    whole = _logits_stats(shard, backend, logits, targets, coef)
+    failures = []
+    for row in PICKED:
+        alone = _logits_stats(shard, backend, logits[row:row + 1], targets[row:row + 1], coef[row:row + 1])
+        failures += _unequal(alone, [t[row:row + 1] for t in whole], f"(logits path) for row {row} alone")
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(5))
+    permuted = _logits_stats(shard, backend, logits[order], targets[order], coef[order])
+    failures += _unequal(permuted, [t[order] for t in whole], "(logits path) permuted")
+    for part in (slice(0, 20), slice(20, ROWS)):
+        sub = _logits_stats(shard, backend, logits[part], targets[part], coef[part])
+        failures += _unequal(sub, [t[part] for t in whole], f"(logits path) in sub-batch {part}")
+    return failures
+
+
 def _check_loss_reproducible(rank: int, world: int, path) -> list[str]:
     import gspo_kernels as gk
 
@@ -165,6 +198,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         try:
             failures, moved = _check_rows(rank, world, path)
             failures += _check_loss_reproducible(rank, world, path)
+            if not path[1] and path[2] == torch.float32:
+                failures += _check_logits_rows(rank, world, path[0])
         except Exception:  # recorded, so one broken path does not hide the others
             failures, moved = [traceback.format_exc(limit=6)], {}
         results[name] = {"failures": failures, "moved": moved}
