@@ -7,8 +7,7 @@ partial statistics of the slice; two collectives on `[N]`-sized tensors merge th
 same merge the kernels do between vocab blocks:
 
     M   = max_k lse_k                              (all_reduce MAX)
-    S0  = sum_k exp(lse_k - M)                     (one all_reduce SUM of five rows; added in
-                                                    rank order on 3+ ranks where asked)
+    S0  = sum_k exp(lse_k - M)                     (one SUM of five rows, added in rank order)
     S1  = sum_k exp(lse_k - M) * E_k[z - M]        E_k[z] = lse_k - H_k, the slice's mean
     S2  = (z_y - M) on the owning rank, else 0     z_y = logp_k + lse_k there
     lse = M + log S0,   H = log S0 - S1 / S0,   logp = S2 - log S0
@@ -54,12 +53,13 @@ class VocabShard:
             raise ValueError(f"vocab_start must be an int >= 0 (a global vocab id); got {vocab_start!r}")
         return VocabShard(group, vocab_start, local_vocab)
 
-    def merge(self, logp_k, entropy_k, lse_k, owned, in_rank_order: bool = False):
+    def merge(self, logp_k, entropy_k, lse_k, owned):
         """The global (logp, entropy, lse) of each row from this slice's stats; lse is NaN for
         a row with no finite softmax or no single owner of its target, so that stage 3's row
-        rule turns such a row (when in the loss) into NaN, as on one process. in_rank_order
-        (batch_invariant): the sums added in rank order, so that a row's bits do not follow
-        the rows merged with it (collectives.sum_over_ranks; the max is exact in any order)."""
+        rule turns such a row (when in the loss) into NaN, as on one process. The five `[N]` sums
+        are added in rank order (collectives.sum_over_ranks: an all_gather on 3+ ranks, O(N)),
+        so that a row's bits do not follow the rows merged with it; the max is exact in any
+        order."""
         bad = torch.isnan(lse_k) | (lse_k == float("inf"))
         peak = all_reduce_max(torch.where(bad, torch.full_like(lse_k, float("-inf")), lse_k), self.group)
         shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
@@ -79,7 +79,7 @@ class VocabShard:
             owned.to(weight.dtype),
             bad.to(weight.dtype),
         ])
-        parts = sum_over_ranks(parts, self.group, in_rank_order)
+        parts = sum_over_ranks(parts, self.group, in_rank_order=True)
         mass, mean_total, target_total, owners, n_bad = parts.unbind(0)
         log_mass = torch.log(mass)
         no_softmax = (n_bad > 0) | (mass == 0)

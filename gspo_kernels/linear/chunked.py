@@ -48,9 +48,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
                 logits = invariant_logits(weight, bias, hidden[part], how.blocks)
             logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
         if how.shard is not None:
-            # One merge for all rows after the loop: two collectives per call, not per chunk; lse
-            # NaN where no single owner. batch_invariant: the ranks' sums added in rank order.
-            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned, how.linear.batch_invariant)
+            # One merge for all rows after the loop: two collectives per call, not per chunk.
+            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
             lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # for the vocab sweep's blocks
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)

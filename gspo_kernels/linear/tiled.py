@@ -33,8 +33,7 @@ class TiledLinearTokenStats(torch.autograd.Function):
             kernel_targets = torch.where(owned, local, torch.full_like(local, -1))  # -1: no one-hot here
         logp, entropy, lse = triton_tiles.token_stats(hidden, weight, bias, kernel_targets, how.inv_temperature)
         if shard is not None:
-            # lse NaN where no single owner; batch_invariant: the ranks' sums added in rank order
-            logp, entropy, lse = shard.merge(logp, entropy, lse, owned, how.linear.batch_invariant)
+            logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
             lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # the kernels' row rule reads only lse
         ctx.save_for_backward(hidden, weight, bias, kernel_targets, lse, entropy, row_mask)

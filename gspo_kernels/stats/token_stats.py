@@ -38,10 +38,7 @@ class TokenStatsFunction(torch.autograd.Function):
             targets, owned = shard_targets(shard, targets)
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
         if shard is not None:
-            # Added in rank order (an all_gather of five [N] sums on 3+ ranks, where an
-            # all_reduce may order an element's addends by its place in the batch): a row's
-            # results stay batch-invariant under tensor parallelism, at O(N) cost.
-            logp, entropy, lse = shard.merge(logp, entropy, lse, owned, in_rank_order=True)
+            logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack; the outputs are
         # views of the kernel's rows when they take another token shape, else a detached alias
         # is saved (a view to the same shape would cost two ops where the alias costs one).
