@@ -103,19 +103,25 @@ class Measurement:
     floor_ms: Callable | None = None  # mode -> milliseconds at the byte floor
 
 
+def _timed_modes(cfg: SuiteConfig, provider: Provider) -> tuple[str, ...]:
+    """The modes the suite times for `provider`: all of cfg.modes but, when quick, its full_only_modes."""
+    left = provider.full_only_modes if cfg.quick else ()
+    return tuple(mode for mode in cfg.modes if mode not in left)
+
+
 def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
-    left = m.provider.full_only_modes if cfg.quick else ()
+    timed = _timed_modes(cfg, m.provider)
     reason = m.provider.unavailable(cfg.device)
     if reason is not None:
-        for _ in range(len([mode for mode in cfg.modes if mode not in left]) + int(cfg.measure_memory)):
+        for _ in range(len(timed) + int(cfg.measure_memory)):
             progress.step(f"{m.label}: skipped")
         return [BenchRow(**m.base, mode=mode, status="skipped", note=reason) for mode in cfg.modes]
     rows = [BenchRow(**m.base, mode=mode, status="skipped", note="timed without --quick")
-            for mode in cfg.modes if mode in left]
+            for mode in cfg.modes if mode not in timed]
     step = None
     try:
         step = m.provider.build(m.problem)
-        for mode in (mode for mode in cfg.modes if mode not in left):
+        for mode in timed:
             progress.step(f"{m.label} {mode}")
             ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
             floor = None if m.floor_ms is None else m.floor_ms(mode) / ms
@@ -165,7 +171,5 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
 
 def steps_in(cfg: SuiteConfig) -> int:
     """Progress steps the suite will report (modes, plus a memory step per provider)."""
-    modes = len(cfg.modes) + int(cfg.measure_memory)
-    left = 0 if not cfg.quick else sum(len(set(PROVIDERS[p].full_only_modes) & set(cfg.modes)) for p in cfg.providers
-                                       if p in PROVIDERS)
-    return len(cfg.shapes) * (len(cfg.providers) * modes - left)
+    per_shape = sum(len(_timed_modes(cfg, PROVIDERS[p])) + int(cfg.measure_memory) for p in cfg.providers)
+    return len(cfg.shapes) * per_shape
