@@ -34,8 +34,7 @@ class Segments:
     rows_per_seq: int | None = None  # padded: T
     cu_seqlens: torch.Tensor | None = None  # packed: (S + 1,) int64
     rows: int | None = None  # packed: N
-    native: bool = False  # packed: the extension's one-op segment kernels serve the device
-    seq_of_row: torch.Tensor | None = None  # packed, not native: (N,) int64
+    seq_of_row: torch.Tensor | None = None  # packed, where the extension's segment ops do not serve the device
     group: object = None  # context parallel: the ranks that hold the other parts of each sequence
 
     @staticmethod
@@ -46,15 +45,16 @@ class Segments:
     def packed(cu_seqlens: torch.Tensor, rows: int, group=None, known_valid: bool = False) -> "Segments":
         native = segment_ops.native_for(cu_seqlens.device)
         seq_of_row = None if native else segment_ops.row_to_sequence(cu_seqlens, rows, known_valid)
-        return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, rows=rows, native=native,
-                        seq_of_row=seq_of_row, group=group)
+        return Segments(num_seqs=cu_seqlens.numel() - 1, cu_seqlens=cu_seqlens, rows=rows, seq_of_row=seq_of_row,
+                        group=group)
 
     @property
     def padded_layout(self) -> bool:
         return self.rows_per_seq is not None
 
     def _packed_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return segment_ops.segment_sum(x, self.cu_seqlens, self.native)
+        # No row -> sequence index was built exactly where the extension's ops serve the device.
+        return segment_ops.segment_sum(x, self.cu_seqlens, native=self.seq_of_row is None)
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token values (the token shape) -> per-sequence sums (`[B, 1]` padded, `[S]`
