@@ -17,13 +17,15 @@ ROLLOUT_CORRECTIONS = (None, "token-truncate", "token-mask", "sequence-truncate"
 ROLLOUT_SEQUENCE_WEIGHTS = ("geometric-mean", "product")
 # Levels each objective is defined at. CISPO's ratio is a detached weight, so "sequence_token"
 # (value s_i, gradient through each token) would be "sequence" again; GMPO is a geometric mean
-# over the sequence by definition; VESPO's weight is a function of the sequence's product ratio.
+# over the sequence by definition. VESPO's weight is always the sequence's product ratio
+# whatever the level, so the level only picks the ratio that use_bias_correction_kl multiplies
+# the KL by: each token's at "token" (TRL's default importance_sampling_level), s_i at "sequence".
 OBJECTIVE_LEVELS = {
     "clip": LEVELS,
     "sapo": LEVELS,
     "cispo": ("sequence", "token"),
     "gmpo": ("sequence",),
-    "vespo": ("sequence",),
+    "vespo": ("sequence", "token"),
 }
 # VESPO's gamma weight phi(w) = exp(lambda + k log w - lambda w), (k, lambda) by the sign of A:
 # TRL's defaults.

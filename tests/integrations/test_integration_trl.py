@@ -29,16 +29,34 @@ def _model():
     return tiny_llama()
 
 
+def _qwen2():
+    """A random Qwen2 (grouped-query attention, q/k/v biases) with tiny_llama's sizes and ids."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      pad_token_id=PAD, eos_token_id=PAD + 1, bos_token_id=PAD + 3,
+                                      tie_word_embeddings=False)
+    return transformers.Qwen2ForCausalLM(config)
+
+
 def _trainer(cls, model, tmp_path, completion=COMPLETION, **overrides):
     return tiny_grpo_trainer(cls, model, str(tmp_path), max_completion_length=completion, **overrides)
 
 
-@pytest.fixture(scope="module")
-def trainers(tmp_path_factory):
-    base = _model()
+def _pair(base, tmp_path_factory):
     theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base), tmp_path_factory.mktemp("trl"))
     ours = _trainer(GRPOTrainer, copy.deepcopy(base), tmp_path_factory.mktemp("ours"))
     return theirs, ours
+
+
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory):
+    return _pair(_model(), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2_trainers(tmp_path_factory):
+    return _pair(_qwen2(), tmp_path_factory)
 
 
 def _batch(trainer) -> dict:
@@ -110,7 +128,10 @@ def _configure(trainer, case: dict) -> None:
         trainer.vllm_importance_sampling_mode = case["rollout"]
         trainer.vllm_importance_sampling_clip_min = 0.97 if case["rollout"].endswith("mask") else None
         trainer.vllm_importance_sampling_clip_max = 1.03
-    trainer.current_gradient_accumulation_steps = 2
+    # accumulation=n: TRL's gradient accumulation, the batch as n micro-batches of one generation
+    # batch (steps_per_generation = n), their gradients summed (_run); without it one call at 2.
+    trainer.current_gradient_accumulation_steps = case.get("accumulation", 2)
+    trainer.args.steps_per_generation = case.get("accumulation", 1)
     trainer.model.train(not case.get("eval", False))
     for mode in ("train", "eval"):
         trainer._metrics[mode].clear()
@@ -130,8 +151,12 @@ def _run(trainer, batch, case):
     if case.get("on_policy"):  # TRL drops old log-probs when they equal the current ones
         del inputs["old_per_token_logps"]
     trainer.model.zero_grad(set_to_none=True)
-    loss = trainer._compute_loss(trainer.model, inputs)
-    loss.backward()
+    losses = []
+    for rows in torch.arange(ROWS).chunk(case.get("accumulation", 1)):
+        micro = {k: v[rows] if v.dim() and v.size(0) == ROWS else v for k, v in inputs.items()}
+        losses.append(trainer._compute_loss(trainer.model, micro))
+        losses[-1].backward()
+    loss = torch.stack(losses).sum()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     metrics = {f"{mode}/{k}": list(v) for mode in ("train", "eval") for k, v in trainer._metrics[mode].items()}
     return loss.detach(), grads, metrics
@@ -191,6 +216,21 @@ def _case_id(case):
 @pytest.mark.parametrize("case", GRID + EXTRAS, ids=_case_id)
 def test_drop_in_matches_trl(trainers, case):
     _compare(trainers, case)
+
+
+# Issue 24: VESPO's weight is the sequence's product ratio at either level, but the KL's bias
+# correction (TRL's default use_bias_correction_kl) multiplies by importance_sampling_level's
+# ratio: each token's at "token". Mapped to level="sequence", the loss still agreed to 1e-6 and
+# only the gradients told (up to 1.3e-3 apart here); sequence level is the control.
+VESPO_KL_CASES = [dict(level=level, loss_type="vespo", beta=beta, use_bias_correction_kl=True, accumulation=steps)
+                  for level, beta, steps in [("token", 0.04, 1), ("token", 0.04, 2), ("token", 0.1, 1),
+                                             ("token", 0.1, 2), ("sequence", 0.04, 2)]]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", VESPO_KL_CASES, ids=_case_id)
+def test_vespo_kl_correction_follows_the_level(request, model, case):
+    _compare(request.getfixturevalue("trainers" if model == "llama" else "qwen2_trainers"), case)
 
 
 def test_temperature_matches_trl(tmp_path):

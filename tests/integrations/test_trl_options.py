@@ -30,10 +30,14 @@ def test_luspo_sums_each_row_and_averages_the_rows():
     assert normalizer(TRLSettings(loss_type="luspo"), counts, mask) == 12.0
 
 
-def test_vespo_maps_onto_its_objective():
-    cfg = gspo_config(TRLSettings(loss_type="vespo", importance_sampling_level="token", vespo_k_pos=1.5,
-                                  vespo_lambda_neg=2.5))
-    assert (cfg.objective, cfg.level, cfg.loss_agg) == ("vespo", "sequence", "token-mean")
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_vespo_maps_onto_its_objective(level):
+    # The level is importance_sampling_level's (issue 24): VESPO's weight is the sequence's at
+    # either level, but the ratio the KL's bias correction multiplies by is the level's.
+    cfg = gspo_config(TRLSettings(loss_type="vespo", importance_sampling_level=level, vespo_k_pos=1.5,
+                                  vespo_lambda_neg=2.5, beta=0.04, use_bias_correction_kl=True))
+    assert (cfg.objective, cfg.level, cfg.loss_agg) == ("vespo", level, "token-mean")
+    assert (cfg.beta, cfg.use_bias_correction_kl) == (0.04, True)
     assert (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg) == (1.5, 3.0, 3.0, 2.5)
 
 

@@ -110,8 +110,10 @@ def gspo_config(settings: TRLSettings) -> GSPOConfig:
     elif settings.loss_type == "sapo":
         options.update(objective="sapo", sapo_tau_pos=settings.sapo_temperature_pos,
                        sapo_tau_neg=settings.sapo_temperature_neg)
-    elif settings.loss_type == "vespo":  # TRL runs it at token level; its weight is the sequence's
-        options.update(objective="vespo", level="sequence", vespo_k_pos=settings.vespo_k_pos,
+    elif settings.loss_type == "vespo":
+        # Its weight is the sequence's product ratio at either level; importance_sampling_level
+        # (kept in `level`) picks the ratio use_bias_correction_kl multiplies the KL by, as in TRL.
+        options.update(objective="vespo", vespo_k_pos=settings.vespo_k_pos,
                        vespo_lambda_pos=settings.vespo_lambda_pos, vespo_k_neg=settings.vespo_k_neg,
                        vespo_lambda_neg=settings.vespo_lambda_neg)
     else:
