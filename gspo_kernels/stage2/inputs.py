@@ -116,7 +116,9 @@ def _check_values(ok: torch.Tensor, message: str) -> None:
 
 
 def check_mask(value, layout: TokenLayout) -> torch.Tensor:
-    """The response mask as a bool tensor of the token shape (all True when value is None)."""
+    """The response mask as a contiguous bool tensor of the token shape (all True when value is
+    None): the kernels read it as `[N]` rows at stride 1, so a strided or expanded view
+    (`m[::2]`, `flags[:, 0]`, `torch.tensor(True).expand(N)`) is copied once."""
     token_shape, device = layout.shape, layout.device
     if value is None:
         return torch.ones(token_shape, dtype=torch.bool, device=device)
@@ -128,10 +130,10 @@ def check_mask(value, layout: TokenLayout) -> torch.Tensor:
             "because a weight other than 0/1 would silently change the loss: pass mask.bool()."
         )
     _require_device("mask", t, device)
-    if t.dtype == torch.bool:
-        return t
-    _check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
-    return t != 0
+    if t.dtype != torch.bool:
+        _check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
+        t = t != 0  # keeps the input's strides: a 1-D view stays strided
+    return t.contiguous()
 
 
 def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> bool:
@@ -220,11 +222,12 @@ class LossBatch:
     rollout_logprobs: torch.Tensor | None = None
     entropy_threshold: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None  # detached per-token weights of the policy term
+    masked: bool = True  # False: no mask was given, every row is in the response
 
     @property
-    def row_mask(self) -> torch.Tensor:
-        """The mask as the kernels' `[N]` rows."""
-        return as_rows(self.mask)
+    def row_mask(self) -> torch.Tensor | None:
+        """The mask as the kernels' `[N]` rows; None (every row) when no mask was given."""
+        return as_rows(self.mask) if self.masked else None
 
 
 def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):
@@ -311,4 +314,5 @@ def prepare_batch(config: GSPOConfig, layout: TokenLayout, target_ids, old_logpr
         rollout_logprobs=_rollout_logprobs(config, rollout_logprobs, token_shape, device),
         entropy_threshold=_entropy_threshold(config, entropy_threshold, device),
         token_weights=_token_weights(token_weights, token_shape, device),
+        masked=mask is not None,
     )

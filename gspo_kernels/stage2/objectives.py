@@ -8,10 +8,11 @@ the ratio and to the token's own log-prob (None where one is identically zero), 
 per-token flags that the clip metrics count. gradient.py chains the two derivatives back to the
 log-probs. Formulas and sources are in docs/semantics.md, "Objectives and corrections".
 
-Derivatives follow autograd's conventions at the kinks, so that the hand-written gradient is
-the one autograd gave for the same formula: a clamp passes the gradient at its bounds, and a
-tie in a minimum (the clip's common case, r inside [1 - eps_low, 1 + eps_high]) sends it to
-both branches, half each, which adds up to the unclipped branch's.
+Derivatives follow the rule of kinks.py at the kinks, which is autograd's for the same
+formula: a clamp passes the gradient strictly inside its bounds, and a tie in a minimum or
+maximum sends half to each branch. The clip's common tie, r strictly inside
+[1 - eps_low, 1 + eps_high], adds up to the unclipped branch's slope of 1; r exactly on a bound
+(an on-policy r = 1 with eps_low = 0) gets 1/2, the unclipped branch's half.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GSPOConfig
+from .kinks import at_either
 from .segments import Segments
 
 
@@ -57,29 +59,28 @@ def _clip(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     # -min(u A, c A) = max(u (-A), c (-A)).
     by_unclipped, by_clipped = unclipped * neg_adv, clamped * neg_adv
     term = torch.maximum(by_unclipped, by_clipped)
-    # The slope of the branch taken: the unclipped one's (1, or 0 past delta), else the clamp's
-    # (1 inside the clip range). A tie is r inside the clip range (both slopes are 1 there, since
-    # delta > 1 + eps_high) or A = 0 (no gradient either way).
-    takes_unclipped = by_unclipped >= by_clipped
+    # The clipped branch wins strictly only with r outside the clip range, where the clamp's slope
+    # is 0: r below it with A < 0, or above it with A > 0 (A is 0 outside the response, and a NaN
+    # ratio compares False, so neither is counted). Elsewhere the unclipped branch wins or ties,
+    # with the slope of u: 1, or past delta 0 (delta > 1 + eps_high, so never at a tie).
+    clipped = by_clipped > by_unclipped
     negative = x.adv < 0
     if cfg.delta is None:
-        # Without the cap, the clipped branch wins strictly, (c - r)(-A) > 0, exactly where the
-        # clip flags a token: r below the range with A < 0, or above it with A > 0 (A is 0
-        # outside the response). There the clamp's slope is 0; everywhere else the unclipped
-        # branch is taken (or tied), with slope 1.
-        slope = takes_unclipped
-        clipped = ~takes_unclipped
         low = clipped & negative
         flags = dict(clipped_low=low, clipped_high=clipped ^ low, clipped=clipped)
+        unclipped_slope = neg_adv
     else:
-        slope = torch.where(takes_unclipped, ratio <= cfg.delta, clamped == ratio)
         flags = dict(clipped_low=(ratio < lo) & negative, clipped_high=(ratio > hi) & (x.adv > 0))
-    d_ratio = neg_adv * slope
+        unclipped_slope = neg_adv * (ratio < cfg.delta)
+    d_ratio = unclipped_slope.masked_fill(clipped, 0.0)
+    # A tie exactly on a bound (never clipped there) gets half: the unclipped branch's slope of 1,
+    # the clamp's 0 on its bound.
+    d_ratio = torch.addcmul(d_ratio, d_ratio, at_either(ratio, lo, hi), value=-0.5)
     if cfg.clip_ratio_c is not None:
         floor = cfg.clip_ratio_c * neg_adv
-        dual = negative & (term > floor)
-        term = torch.where(dual, floor, term)
-        d_ratio = d_ratio.masked_fill(dual, 0.0)
+        capped = negative & (term > floor)
+        d_ratio = torch.where(negative & (term == floor), 0.5 * d_ratio, d_ratio.masked_fill(capped, 0.0))
+        term = torch.where(capped, floor, term)
     return PolicyTerm(term, d_ratio, None, **flags)
 
 
@@ -105,12 +106,14 @@ def _sapo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
 
 def gmpo_log_ratio(cfg: GSPOConfig, x: PolicyInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GMPO's per-token log-ratio, clipped to [-eps_low, eps_high] on the pessimistic side of
-    sign(A), and its derivative by the unclipped one (1 where it is the log-ratio itself, else
-    0; 0 where A = 0)."""
+    sign(A), and its derivative by the unclipped one: 1 where it is the log-ratio itself, 1/2
+    exactly on a bound (a tie of the minimum, the clamp passing nothing there), 0 where clipped
+    or A = 0."""
     sign = torch.sign(x.adv)
     clamped = x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
     pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * clamped)
-    return pessimistic, (pessimistic == x.log_ratio) & (sign != 0)
+    slope = ((pessimistic == x.log_ratio) & (sign != 0)).to(x.log_ratio.dtype)
+    return pessimistic, torch.where(at_either(x.log_ratio, -cfg.eps_low, cfg.eps_high), 0.5 * slope, slope)
 
 
 def _gmpo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
@@ -118,7 +121,8 @@ def _gmpo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     level's ratio, built on it) and the term -mean_t(A) R_i on each of its tokens. eps_low and
     eps_high are log-space bounds here (the paper: 0.4)."""
     seg = x.segments
-    seq_adv = -seg.per_row(seg.seq_sum(x.adv) / x.length)
+    # Zero outside the response, like every other objective's derivatives (stage 2 relies on it).
+    seq_adv = torch.where(x.mask, -seg.per_row(seg.seq_sum(x.adv) / x.length), x.mask)
     # The log-ratio is 0 outside the response, inside [-eps_low, eps_high]: never changed there.
     changed = x.log_ratio != x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
     return PolicyTerm(seq_adv * ratio, seq_adv, None, changed & (x.adv < 0), changed & (x.adv > 0))

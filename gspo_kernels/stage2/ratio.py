@@ -5,7 +5,8 @@
     sequence_token  value s_i, gradient of exp(logp_t - sg[logp_t])  dr_t / dlogp_t = r_t
 
 with lr the response-masked log-ratio logp - old, and clamp the configured log_ratio_clamp
-(whose gradient is 0 outside its bounds: a clamped ratio no longer follows logp). The
+(whose gradient is 0 on and outside its bounds, kinks.py: a clamped ratio no longer follows
+logp). The
 sequence level may be built on another per-token log-ratio with its own derivative (GMPO's
 pessimistically clipped one).
 """
@@ -16,16 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .kinks import clamp_with_slope
 from .objectives import PolicyInputs
 
 
 def _clamped(x: torch.Tensor, bounds) -> tuple[torch.Tensor, torch.Tensor | bool]:
-    """(clamp(x), where the clamp passes a gradient): autograd's rule, bounds included."""
+    return clamp_with_slope(x, *bounds)
+
+
+def _clamped_value(x: torch.Tensor, bounds) -> torch.Tensor:
     low, high = bounds
-    if low is None and high is None:
-        return x, True
-    inside = x.clamp(min=low, max=high)
-    return inside, inside == x
+    return x if low is None and high is None else x.clamp(min=low, max=high)
 
 
 def _where_passes(slope: torch.Tensor, passes) -> torch.Tensor:
@@ -55,7 +57,10 @@ def importance_ratio(level: str, x: PolicyInputs, seq_log_ratio: torch.Tensor,
     (per-token log-ratio, its derivative by logp) to build the sequence ratio on instead of
     the plain log-ratio."""
     bounds = x.log_ratio_bounds
-    clamped_seq, seq_passes = _clamped(seq_log_ratio, bounds)
+    # Where the clamp passes a gradient costs two ops: only the levels that differentiate s_i ask.
+    differentiates_seq = level == "sequence_token" or (level == "sequence" and sequence_base is None)
+    clamped_seq, seq_passes = _clamped(seq_log_ratio, bounds) if differentiates_seq else \
+        (_clamped_value(seq_log_ratio, bounds), None)
     seq_ratio = torch.exp(clamped_seq)
     if level == "token":
         clamped, passes = _clamped(x.log_ratio, bounds)

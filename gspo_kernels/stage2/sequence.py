@@ -81,12 +81,13 @@ class _Term:
     d_ratio: torch.Tensor | None
 
 
-def _kl_term(config: GSPOConfig, logp, ref_logp, ratio):
+def _kl_term(config: GSPOConfig, logp, ref_logp, ratio, response_only):
     """(the kl metric per token, the beta * KL term of the loss or None when beta = 0). With
     use_bias_correction_kl (TRL's) the KL is weighted by the (differentiable) importance ratio,
     and the metric reads that corrected estimate too, as TRL's does."""
     kl, d_kl = kl_penalty(logp, ref_logp, config.kl_estimator, config.kl_clamp)
-    corrected = kl * ratio if config.use_bias_correction_kl else kl
+    # An overflowed ratio (log_ratio_clamp open) times a padding row's KL of 0 would be NaN there.
+    corrected = response_only(kl * ratio) if config.use_bias_correction_kl else kl
     if config.beta == 0:  # KL is a metric only; an infinite one leaves the loss alone
         return corrected, None
     beta = config.beta
@@ -108,18 +109,25 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
 
     # Zero every per-token input outside the response first: a NaN from a padding row (e.g. an
     # out-of-range pad id) would otherwise reach the loss or the gradient through 0 * NaN. The
-    # mask is its own zero there (False promotes to 0.0): no zero tensor to make.
+    # mask is its own zero there (False promotes to 0.0): no zero tensor to make. Without a mask
+    # every row is in the response: nothing to zero, only a per-sequence value to broadcast.
     def response_only(x):
-        return torch.where(mask, x.to(dtype), mask)
+        x = x.to(dtype)
+        if batch.masked:
+            return torch.where(mask, x, mask)
+        return x if x.shape == mask.shape else x.expand(mask.shape)
 
     needs_logp = config.objective in ("cispo", "vespo") or config.level == "sequence_token" or \
         batch.ref_logprobs is not None or config.off_policy_mask_threshold is not None
     logp_r = response_only(logp) if needs_logp else None
     # The old log-probs themselves only feed the corrections that read the sampler's policy.
     needs_old = config.rollout_correction is not None or config.off_policy_mask_threshold is not None
-    if batch.old_logprobs is None:  # on-policy: old = sg[logp], the log-ratio is 0
+    if batch.old_logprobs is None:
+        # On-policy: old = sg[logp], so the log-ratio logp - sg[logp] is 0, and NaN where logp is
+        # not finite (a NaN or +inf logit, a row of -inf, an out-of-range id): the loss is NaN
+        # then, as the reference's and TRL's are, never a finite loss over a NaN gradient.
         old = logp_r if logp_r is not None else response_only(logp)
-        log_ratio = torch.zeros_like(old)
+        log_ratio = old - old
     else:
         old = response_only(batch.old_logprobs) if needs_old else None
         log_ratio = response_only(logp - batch.old_logprobs.to(dtype))
@@ -147,7 +155,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     d_ratio = None if policy_ratio is not ratio else d_policy_ratio
     kl = None
     if batch.ref_logprobs is not None:
-        kl, penalty = _kl_term(config, logp_r, response_only(batch.ref_logprobs), ratio.value)
+        kl, penalty = _kl_term(config, logp_r, response_only(batch.ref_logprobs), ratio.value, response_only)
         if penalty is not None:
             per_token, d_logp, d_ratio = per_token + penalty.value, _plus(d_logp, penalty.d_logp), \
                 _plus(d_ratio, penalty.d_ratio)
@@ -155,23 +163,25 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
         per_token = per_token - config.entropy_coef * entropy_r
 
     w = _aggregation_weight(config, batch, counts)
-    # W is finite, so times the bool mask it is an exact 0 outside the response.
-    if isinstance(w, torch.Tensor):
-        w_tok = mask * (seg.per_row(w) if w.dim() else w)
-    else:  # a number: times the mask in the loss's dtype (a float alone would give float32)
-        w_tok = mask.to(dtype) * w
-    g = _times(d_logp, w_tok)
+    # W per row, not masked: every derivative above is 0 outside the response (A, the log-ratio
+    # and the corrections' weights are), and the where below keeps the terms' values out.
+    w_row = seg.per_row(w) if isinstance(w, torch.Tensor) and w.dim() else w
+    g = _times(d_logp, w_row)
     if d_ratio is not None:
-        g = _plus(g, ratio.pull(x, w_tok * d_ratio))
+        g = _plus(g, ratio.pull(x, w_row * d_ratio))
     if policy_ratio is not ratio:
-        g = _plus(g, policy_ratio.pull(x, w_tok * d_policy_ratio))
+        g = _plus(g, policy_ratio.pull(x, w_row * d_policy_ratio))
     g = response_only(g)
-    h = None if config.entropy_coef == 0.0 else w_tok * -config.entropy_coef
+    h = None
+    if config.entropy_coef != 0.0:  # a number W times the mask in the loss's dtype (not float32)
+        h = (mask * w_row if isinstance(w_row, torch.Tensor) else mask.to(dtype) * w_row) * -config.entropy_coef
     # With the default aggregation W is each token's share in a mean of sequence means.
-    share = w_tok if w is counts.seq_share else None
+    share = w_row if w is counts.seq_share else None
     metrics = _metrics(batch, term, ratio.seq_ratio, entropy_r, kl, counts, share)
     metrics.update(extra)
-    return w_tok * per_token, g, h, metrics
+    # Outside the response a term may be NaN (an overflowed ratio times A = 0): the mask, not a
+    # product with W, keeps it out of the loss.
+    return response_only(w_row * per_token), g, h, metrics
 
 
 def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):

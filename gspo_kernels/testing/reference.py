@@ -50,14 +50,25 @@ def _kl(logp, ref_logp, estimator, clamp=None):
         kl = 0.5 * log_ratio**2
     else:
         if clamp is not None:  # verl: the log-ratio inside k3's exp is clamped first
-            log_ratio = log_ratio.clamp(-20, 20)
+            log_ratio = _clamp(log_ratio, (-20, 20))
         kl = torch.exp(log_ratio) - 1 - log_ratio  # k3
-    return kl if clamp is None else kl.clamp(-clamp, clamp)
+    return kl if clamp is None else _clamp(kl, (-clamp, clamp))
 
 
 def _clamp(x, bounds):
+    """clamp(x) whose gradient passes strictly inside the bounds only: the rule at a kink that
+    stage 2 follows (docs/semantics.md, "Ties and bounds"), spelled out because autograd's
+    clamp has not had the same rule on a bound in every torch release. A tie of
+    torch.minimum/maximum splits the gradient in half, which is the same rule's other half."""
     low, high = bounds
-    return x if low is None and high is None else x.clamp(min=low, max=high)
+    if low is None and high is None:
+        return x
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if low is not None:
+        inside = inside & (x > low)
+    if high is not None:
+        inside = inside & (x < high)
+    return torch.where(inside, x, x.detach().clamp(min=low, max=high))
 
 
 def _policy_terms(cfg, lp, log_ratio, ratio, a):
@@ -65,8 +76,8 @@ def _policy_terms(cfg, lp, log_ratio, ratio, a):
     lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
     r = ratio.detach()
     if cfg.objective == "clip":
-        capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
-        term = -torch.minimum(capped * a, ratio.clamp(lo, hi) * a)
+        capped = ratio if cfg.delta is None else _clamp(ratio, (None, cfg.delta))
+        term = -torch.minimum(capped * a, _clamp(ratio, (lo, hi)) * a)
         if cfg.clip_ratio_c is not None:  # dual clip: a negative-advantage term is at most -c A
             term = torch.where(a < 0, torch.minimum(term, -cfg.clip_ratio_c * a), term)
         return term, (r < lo) & (a < 0), (r > hi) & (a > 0)
@@ -85,7 +96,7 @@ def _policy_terms(cfg, lp, log_ratio, ratio, a):
         no = torch.zeros(len(a), dtype=torch.bool)
         return -phi * a * lp, no, no
     # gmpo: per-token log-ratios clipped on the pessimistic side of sign(A), geometric mean.
-    clipped_lr = log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+    clipped_lr = _clamp(log_ratio, (-cfg.eps_low, cfg.eps_high))
     sign = torch.sign(a)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
     if len(lp) == 0:
