@@ -42,8 +42,9 @@ inline void check_row_vector(const char* name, const at::Tensor& t, const at::Te
   TORCH_CHECK(t.device() == logits.device(), "gspo_kernels: ", name, " must be on ", logits.device());
   TORCH_CHECK(t.scalar_type() == dtype, "gspo_kernels: ", name, " must be ", dtype, "; got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.numel() == rows && t.is_contiguous(), "gspo_kernels: ", name,
-              " must be a contiguous (", rows, ",) vector");
+  // Any shape with one element a row: the token shape (B, T) or (N,), read as rows at stride 1.
+  TORCH_CHECK(t.numel() == rows && t.is_contiguous(), "gspo_kernels: ", name, " must be contiguous with ", rows,
+              " elements (one a logits row); got shape ", t.sizes(), (t.is_contiguous() ? "" : ", not contiguous"));
 }
 
 // What the gradient kernels read besides the logits, checked once for both devices.

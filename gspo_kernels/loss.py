@@ -19,7 +19,7 @@ def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs,
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace,
-                                batch.row_mask, shard, batch.token_shape)
+                                batch.row_mask, shard)
     return gspo_objective(config, batch, logp, entropy)
 
 

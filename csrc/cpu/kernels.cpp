@@ -253,9 +253,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
   const RowLayout layout = row_layout(logits);
   check_row_vector("targets", targets, logits, layout.rows, at::kLong);
   const auto opts = logits.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({layout.rows}, opts);
-  at::Tensor entropy = at::empty({layout.rows}, opts);
-  at::Tensor lse = at::empty({layout.rows}, opts);
+  // The outputs take the targets' shape (the token shape), so no caller needs a view of them.
+  at::Tensor logp = at::empty(targets.sizes(), opts);
+  at::Tensor entropy = at::empty(targets.sizes(), opts);
+  at::Tensor lse = at::empty(targets.sizes(), opts);
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
     token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), static_cast<float>(inv_temperature),
                                logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());

@@ -287,9 +287,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
   check_row_vector("targets", targets, logits, layout.rows, at::kLong);
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto opts = logits.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({layout.rows}, opts);
-  at::Tensor entropy = at::empty({layout.rows}, opts);
-  at::Tensor lse = at::empty({layout.rows}, opts);
+  // The outputs take the targets' shape (the token shape), so no caller needs a view of them.
+  at::Tensor logp = at::empty(targets.sizes(), opts);
+  at::Tensor entropy = at::empty(targets.sizes(), opts);
+  at::Tensor lse = at::empty(targets.sizes(), opts);
   if (layout.rows == 0) return {logp, entropy, lse};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {

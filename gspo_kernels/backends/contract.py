@@ -18,7 +18,8 @@ LOG_FLOOR = -200.0
 
 @dataclass(frozen=True)
 class GradInputs:
-    """Per-row `[N]` tensors (float32 unless noted) and the temperature of one backward pass.
+    """Per-row tensors (float32 unless noted), contiguous, one element per logits row: `[N]` or
+    the token shape `(B, T)`, all alike; and the temperature of one backward pass.
 
     Row rule, the same on every backend (csrc/gspo_math.h, row_action): a row outside
     `row_mask` gets zeros whatever its logits hold, and is not read; a row in the loss with no
@@ -34,8 +35,15 @@ class GradInputs:
     row_mask: torch.Tensor | None  # bool; None: every row is in the loss
     inv_temperature: float
 
+    def as_rows(self) -> "GradInputs":
+        """The same inputs as `[N]` rows (views)."""
+        def flat(t):
+            return None if t is None else t.reshape(-1)
+        return GradInputs(flat(self.targets), flat(self.lse), flat(self.entropy), flat(self.grad_logp),
+                          flat(self.grad_entropy), flat(self.row_mask), self.inv_temperature)
+
     def rows(self, part: slice) -> "GradInputs":
-        """The same inputs for a slice of the rows (a chunk)."""
+        """The same inputs for a slice of the `[N]` rows (a chunk)."""
         return GradInputs(self.targets[part], self.lse[part], self.entropy[part], self.grad_logp[part],
                           None if self.grad_entropy is None else self.grad_entropy[part],
                           None if self.row_mask is None else self.row_mask[part], self.inv_temperature)

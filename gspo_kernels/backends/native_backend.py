@@ -31,8 +31,7 @@ if _C is not None:
 
     @torch.library.register_fake("gspo_kernels::token_stats")
     def _(logits, targets, inv_temperature):
-        rows = logits.shape[:-1].numel()
-        return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+        return tuple(logits.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
 
     @torch.library.register_fake("gspo_kernels::logits_grad")
     def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature):

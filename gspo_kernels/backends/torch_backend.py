@@ -28,7 +28,9 @@ def _valid(targets: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float):
-    """Returns (logp, entropy, lse), each `[N]` float32 (float64 for float64 logits)."""
+    """Returns (logp, entropy, lse), each float32 (float64 for float64 logits) of the targets'
+    shape."""
+    shape, targets = targets.shape, targets.reshape(-1)
     z = _scaled_rows(logits, inv_temperature)
     vocab = z.shape[-1]
     row_max = z.amax(dim=-1, keepdim=True)  # NaN-propagating: a NaN row stays NaN
@@ -44,10 +46,11 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
     logp = torch.where(valid, (picked - log_sum).squeeze(-1), torch.full_like(log_sum.squeeze(-1), float("nan")))
     shifted = e.mul_(z.clamp_(min=LOG_FLOOR)).sum(dim=-1, keepdim=True)
     entropy = (log_sum - shifted / sum_e).squeeze(-1)
-    return logp, entropy, (row_max + log_sum).squeeze(-1)
+    return logp.reshape(shape), entropy.reshape(shape), (row_max + log_sum).reshape(shape)
 
 
 def _grad_rows(logits, inputs: GradInputs):
+    inputs = inputs.as_rows()
     lse, entropy, targets = inputs.lse, inputs.entropy, inputs.targets
     inv_temperature = inputs.inv_temperature
     log_p = _scaled_rows(logits, inv_temperature).sub_(lse.unsqueeze(-1))

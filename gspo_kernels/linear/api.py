@@ -82,7 +82,8 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
                           ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
                           entropy_threshold=entropy_threshold, cp_group=cp_group)
     how = LinearPass.of(linear, config.temperature, config.backend, rows, weight, tp_group, vocab_start)
-    logp, entropy = _token_stats(rows, weight, bias, batch.targets, batch.row_mask, how)
+    row_mask = None if batch.row_mask is None else batch.row_mask.reshape(-1)
+    logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, how)
     return gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
 
 
@@ -97,7 +98,7 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     check_backend(backend)
     rows = _check_linear(hidden, weight, bias)
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
-    targets_flat = check_targets(target_ids, layout)
+    targets_flat = check_targets(target_ids, layout).reshape(-1)
     row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
     how = LinearPass.of(linear, temperature, backend, rows, weight, tp_group, vocab_start)
     logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, how)

@@ -63,12 +63,6 @@ class TokenLayout:
         return TokenLayout(logits.shape[:-1], logits.device)
 
 
-def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """A per-token tensor as the kernels' `[N]` rows. A packed one is that already: reshape
-    would still dispatch a view, one op more for a small micro-batch to pay."""
-    return t if t.dim() == 1 else t.reshape(-1)
-
-
 def check_logits(logits) -> None:
     _require_tensor("logits", logits)
     if logits.dim() not in (2, 3):
@@ -82,13 +76,14 @@ def check_logits(logits) -> None:
 
 
 def check_targets(target_ids, layout: TokenLayout) -> torch.Tensor:
-    """Validates the targets against the layout; returns them as a contiguous `[N]` int64 tensor."""
+    """Validates the targets against the layout; returns them as a contiguous int64 tensor of the
+    token shape (the kernels read it as rows; no view to `[N]` to dispatch)."""
     _require_tensor("target_ids", target_ids)
     _require_shape("target_ids", target_ids, layout.shape, "the logits' shape without V")
     if target_ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"target_ids must be int64 or int32; got {target_ids.dtype}")
     _require_device("target_ids", target_ids, layout.device)
-    return as_rows(target_ids).to(torch.int64).contiguous()
+    return target_ids.to(torch.int64).contiguous()
 
 
 def _per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor | None:
@@ -207,7 +202,8 @@ def _normalizer(value, device):
 @dataclass(frozen=True)
 class LossBatch:
     """The loss inputs after checking: per-token tensors of the token shape (`[B, T]` padded,
-    `[N]` packed) plus the sequence layout; the targets flattened to the kernels' `[N]` rows."""
+    `[N]` packed, contiguous where the kernels read them: targets, mask) plus the sequence
+    layout."""
 
     targets: torch.Tensor | None  # None where the log-probs are given (policy_loss)
     token_shape: torch.Size
@@ -226,8 +222,9 @@ class LossBatch:
 
     @property
     def row_mask(self) -> torch.Tensor | None:
-        """The mask as the kernels' `[N]` rows; None (every row) when no mask was given."""
-        return as_rows(self.mask) if self.masked else None
+        """The mask as the kernels read it (the token shape, contiguous); None (every row) when
+        no mask was given."""
+        return self.mask if self.masked else None
 
 
 def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):

@@ -16,21 +16,23 @@ from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
 from ..config import check_backend, check_temperature
 from ..distributed.vocab_parallel import VocabShard
-from ..stage2.inputs import TokenLayout, as_rows, check_mask, check_targets
+from ..stage2.inputs import TokenLayout, check_mask, check_targets
 from .upstream import upstream_grads
 from .vocab_slice import shard_targets, slice_logits_grad
 
 
 class TokenStatsFunction(torch.autograd.Function):
-    """(logits, targets) -> (logp, entropy), both `[N]`; backward computes dLoss/dlogits.
+    """(logits, targets) -> (logp, entropy), both of the targets' shape (the token shape, or
+    `[N]`); backward computes dLoss/dlogits.
 
-    row_mask (bool `[N]`, or None for every row) marks the rows in the loss: the others get an
-    exact zero gradient whatever their logits hold (see GradInputs for the whole row rule).
+    row_mask (bool, the targets' shape, or None for every row) marks the rows in the loss: the
+    others get an exact zero gradient whatever their logits hold (see GradInputs for the whole
+    row rule). Targets and row_mask are contiguous: the kernels read them as rows.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool,
-                shard: VocabShard | None, out_shape: torch.Size | None):
+                shard: VocabShard | None):
         backend = backends.get(backend_name)
         inv_temperature = 1.0 / temperature
         owned = None
@@ -39,26 +41,20 @@ class TokenStatsFunction(torch.autograd.Function):
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
         if shard is not None:
             logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
-        # Saving an output costs autograd a detach to save and one to unpack; the outputs are
-        # views of the kernel's rows when they take another token shape, else a detached alias
-        # is saved (a view to the same shape would cost two ops where the alias costs one).
-        if out_shape == logp.shape:
-            out_shape = None
-        saved_entropy = entropy if out_shape is not None else entropy.detach()
-        ctx.save_for_backward(logits, targets, lse, saved_entropy, row_mask, owned)
+        # Saving an output costs autograd a detach to save and one to unpack: a detached alias
+        # costs one op.
+        ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned)
         ctx.shard = shard
         ctx.inv_temperature = inv_temperature
         ctx.backend_name = backend_name
         ctx.inplace = inplace
         # Unused outputs arrive as None, so stage 3 can skip the entropy term entirely.
         ctx.set_materialize_grads(False)
-        if out_shape is None:
-            return logp, entropy
-        return logp.view(out_shape), entropy.view(out_shape)
+        return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        no_grads = (None,) * 8
+        no_grads = (None,) * 7
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
         logits, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
@@ -73,14 +69,12 @@ class TokenStatsFunction(torch.autograd.Function):
         return (grad,) + no_grads[1:]
 
 
-def token_stats(logits, targets_flat, temperature: float, backend_name: str, inplace: bool = False,
-                row_mask: torch.Tensor | None = None, shard: VocabShard | None = None,
-                out_shape: torch.Size | None = None):
-    """Stage 1 with autograd: `[N]` logp and entropy in float32 (float64 for float64 logits),
-    or of `out_shape` (the token shape). With a vocab shard the logits are this rank's slice
-    and the results are the global ones."""
-    return TokenStatsFunction.apply(logits, targets_flat, row_mask, temperature, backend_name, inplace, shard,
-                                    out_shape)
+def token_stats(logits, targets, temperature: float, backend_name: str, inplace: bool = False,
+                row_mask: torch.Tensor | None = None, shard: VocabShard | None = None):
+    """Stage 1 with autograd: logp and entropy in float32 (float64 for float64 logits) of the
+    targets' shape (contiguous int64: the token shape or `[N]` rows). With a vocab shard the
+    logits are this rank's slice and the results are the global ones."""
+    return TokenStatsFunction.apply(logits, targets, row_mask, temperature, backend_name, inplace, shard)
 
 
 def selective_log_softmax(
@@ -118,9 +112,9 @@ def selective_log_softmax(
     temperature = check_temperature(temperature)
     check_backend(backend)
     layout = TokenLayout.of_logits(logits)
-    targets_flat = check_targets(target_ids, layout)
-    row_mask = None if mask is None else as_rows(check_mask(mask, layout))
+    targets = check_targets(target_ids, layout)
+    row_mask = None if mask is None else check_mask(mask, layout)
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
-    logp, entropy = token_stats(logits, targets_flat, temperature, resolved, inplace, row_mask, shard, target_ids.shape)
+    logp, entropy = token_stats(logits, targets, temperature, resolved, inplace, row_mask, shard)
     return (logp, entropy) if return_entropy else logp

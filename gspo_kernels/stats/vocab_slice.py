@@ -40,7 +40,8 @@ def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: Grad
     """Rewrites column 0 of `grad` (a vocab slice's gradient, `[..., V_local]`) for the rows in
     the loss whose target is outside the slice: there the kernel added the one-hot term g / T
     at column 0, where the true gradient has only the softmax term.
-    first_logit: `[N]` the logits at column 0, read before an in-place kernel ran."""
+    first_logit: the logits at column 0 (the rows' shape, like the inputs), read before an
+    in-place kernel ran."""
     foreign = ~owned
     if inputs.row_mask is not None:
         foreign = foreign & inputs.row_mask
@@ -52,13 +53,14 @@ def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: Grad
         coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
     value = -torch.exp(log_p) * coef * inv_t
     column = grad.select(-1, 0)
-    fixed = torch.where(foreign, value, column.reshape(-1).to(dtype))
+    fixed = torch.where(foreign, value, column.reshape(value.shape).to(dtype))
     column.copy_(fixed.reshape(column.shape))
 
 
-def first_logit(logits: torch.Tensor) -> torch.Tensor:
-    """`[N]` copy of column 0 of `(B, T, V)` or `(N, V)` logits (any row strides)."""
-    return logits.select(-1, 0).reshape(-1).clone()
+def first_logit(logits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A copy of column 0 of `(B, T, V)` or `(N, V)` logits (any row strides), of `shape`
+    (the per-row inputs' shape)."""
+    return logits.select(-1, 0).reshape(shape).clone()
 
 
 def slice_logits_grad(backend, logits: torch.Tensor, inputs: GradInputs, owned: torch.Tensor | None,
@@ -69,7 +71,7 @@ def slice_logits_grad(backend, logits: torch.Tensor, inputs: GradInputs, owned: 
     inductor (torch 2.14) deferred the read of column 0 past the in-place kernel there and gave
     wrong gradients, so the kernel writes a new buffer instead (one more buffer of the slice's
     logits; gspo_loss's inplace=True with tp_group then leaves the saved logits intact)."""
-    column0 = None if owned is None else first_logit(logits)
+    column0 = None if owned is None else first_logit(logits, inputs.lse.shape)
     if in_place and (owned is None or not torch.compiler.is_compiling()):
         grad = backend.logits_grad_(logits, inputs)
     else:

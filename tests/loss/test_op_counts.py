@@ -11,16 +11,18 @@ import pytest
 
 from gspo_kernels.bench import host
 
-# (forward + backward) ops on 2026-12-02, torch 2.14.1; lower them as stage 2 gets leaner.
+# (forward + backward) ops on 2026-12-03, torch 2.14.1; lower them as stage 2 gets leaner. gmpo rose
+# from 79 / 80 to 83: its tie on a log-space clip bound now gets half the gradient (issue 24), four
+# ops that the others paid for with the kernels' token-shaped rows and no masking without a mask.
 CEILINGS = {
-    ("gspo", "padded"): 59, ("gspo", "packed"): 58,
-    ("gspo+kl+entropy", "padded"): 75, ("gspo+kl+entropy", "packed"): 73,
-    ("grpo (token)", "padded"): 60, ("grpo (token)", "packed"): 57,
-    ("gspo-token", "padded"): 63, ("gspo-token", "packed"): 62,
-    ("cispo", "padded"): 58, ("cispo", "packed"): 55,
-    ("sapo", "padded"): 65, ("sapo", "packed"): 62,
-    ("gmpo", "padded"): 79, ("gmpo", "packed"): 80,
-    ("vespo", "padded"): 69, ("vespo", "packed"): 68,
+    ("gspo", "padded"): 59, ("gspo", "packed"): 57,
+    ("gspo+kl+entropy", "padded"): 75, ("gspo+kl+entropy", "packed"): 71,
+    ("grpo (token)", "padded"): 59, ("grpo (token)", "packed"): 55,
+    ("gspo-token", "padded"): 63, ("gspo-token", "packed"): 60,
+    ("cispo", "padded"): 54, ("cispo", "packed"): 49,
+    ("sapo", "padded"): 61, ("sapo", "packed"): 57,
+    ("gmpo", "padded"): 83, ("gmpo", "packed"): 83,
+    ("vespo", "padded"): 66, ("vespo", "packed"): 63,
 }
 GOALS = {("gspo", "padded"): 60, ("gspo", "packed"): 60,
          ("gspo+kl+entropy", "padded"): 100, ("gspo+kl+entropy", "packed"): 100}

@@ -50,7 +50,7 @@ def _token_stats_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = RowLayout.of(logits)
     logp, entropy, lse = (
-        torch.empty(layout.rows, dtype=torch.float32, device=logits.device) for _ in range(3)
+        torch.empty(targets.shape, dtype=torch.float32, device=logits.device) for _ in range(3)
     )
     if layout.rows and layout.vocab:
         cfg = _launch_config(logits)
@@ -65,8 +65,7 @@ def _token_stats_op(
 
 @_token_stats_op.register_fake
 def _(logits, targets, inv_temperature):
-    rows = logits.shape[:-1].numel()
-    return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+    return tuple(logits.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
 
 
 def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature):
