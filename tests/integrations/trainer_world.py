@@ -1,14 +1,15 @@
 """A trainer test on gloo processes started the way accelerate and verl's workers expect them
 (RANK, WORLD_SIZE, MASTER_ADDR in the environment): shared by the DDP, FSDP2 and ZeRO-3 tests
 of the TRL drop-in and the verl actor test. A worker is `worker(rank, port, out, *args)`; rank 0
-writes its result to `out`."""
+writes its result to `out`. Spawned workers start with the parent's sys.path (multiprocessing's
+spawn hands it over), so they import the test modules and this one by name as the tests do;
+this folder is on sys.path through pyproject.toml's `pythonpath`."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,6 @@ def join(rank: int, world: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    sys.path.insert(0, os.path.dirname(__file__))  # the workers import test_integration_trl
 
 
 def leave(rank: int, out: str, result) -> None:

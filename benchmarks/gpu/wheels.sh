@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored) with the wheels that the GPU machine lacks for
-# benchmarks/gpu_trainer_steps.py: TRL's GRPOTrainer and verl 0.9.1's actor worker, and what
+# benchmarks/trainer_steps/parity.py: TRL's GRPOTrainer and verl 0.9.1's actor worker, and what
 # they import beyond that machine's own packages (torch 2.11, transformers 5.17, accelerate,
-# peft, pandas, pyarrow, xxhash, click, msgpack, protobuf, requests, anyio, h11, typer...; its
-# list: the device tool's KINDS.md). Nothing can be downloaded there; gpu_check.sh installs
+# peft, pandas, pyarrow, xxhash, click, msgpack, protobuf, requests, anyio, h11, typer and
+# more). Nothing can be downloaded there; check.sh installs
 # .whl/*.whl with pip --target /tmp/site. Run here, in the repo root, then carry .whl:
 #
-#   bash benchmarks/gpu_wheels.sh            # 26 wheels, about 30 MiB (ray trimmed: 21.5 of it)
+#   bash benchmarks/gpu/wheels.sh            # 26 wheels, about 30 MiB (ray trimmed: 21.5 of it)
 #
 # The list came from importing each trainer's entry points in a fresh process whose sys.path
 # held only the GPU machine's packages, adding whatever was missing until the imports passed,
-# then running gpu_trainer_steps.py on the CPU the same way. Versions: this repo's venv, which
+# then running parity.py on the CPU the same way. Versions: this repo's venv, which
 # pyproject.toml's [trl] and [verl] extras pinned. transformers is not carried: the GPU machine's
 # 5.17 satisfies trl 1.16 (>= 4.56.2), and the CPU run with 5.17 in place passed (the extras pin
 # >= 5.23, the release the tests ran on).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY="${PY:-.venv/bin/python}"
 DEST=.whl
 mkdir -p "$DEST"
@@ -36,7 +36,7 @@ VERL=(verl==0.9.1 ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025
 # hydra-core 1.3 needs antlr4 4.9.*, published as an sdist only: built here into a pure-Python wheel.
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$DEST" antlr4-python3-runtime==4.9.3
 # The whole ray wheel (76 MiB) is over the 64 MiB that travels: its cluster executables, jars and
-# dashboard client go (gpu_wheel_trim.py says why that is safe here).
-"$PY" benchmarks/gpu_wheel_trim.py "$DEST"/ray-2.60.0-*.whl
+# dashboard client go (wheel_trim.py says why that is safe here).
+"$PY" benchmarks/gpu/wheel_trim.py "$DEST"/ray-2.60.0-*.whl
 ls -1 "$DEST"
 du -ch "$DEST"/*.whl | tail -n 1

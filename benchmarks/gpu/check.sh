@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
 # The one prepared GPU run, with that machine's own python3 (torch 2.11, triton 3.6, nvcc 13.0);
-# about 8 minutes on an H200 before the distributed and tile-kernel steps, more now. Builds the extension from source, checks the cuda and
-# triton backends against the float64 reference (fp32/bf16/fp16, padded and packed, V = 1000
-# and V = 151936), runs compute-sanitizer memcheck over every CUDA kernel variant, runs the test
-# suite on the GPU, and benchmarks forward + backward at N = 16384, V = 151936, bf16 against
-# the byte floor, and the fused-linear loss at N = 16384, H = 4096, V = 151936; runs the
-# distributed code paths on NCCL in a group of one GPU. Logs and JSON go to $OUT (the device
-# tool brings them back).
+# its run time is unmeasured (docs/performance.md, "Unmeasured"). Builds the extension from
+# source, checks the cuda and triton backends against the float64 reference (fp32/bf16/fp16,
+# padded and packed, V = 1000 and V = 151936), runs compute-sanitizer memcheck over every CUDA
+# kernel variant, runs the test suite on the GPU, and benchmarks forward + backward at
+# N = 16384, V = 151936, bf16 against the byte floor, and the fused-linear loss at N = 16384,
+# H = 4096, V = 151936; runs the distributed code paths on NCCL in a group of one GPU. Logs and
+# JSON go to $OUT (the device tool brings them back).
 #
-#   device run:  bash benchmarks/gpu_check.sh [all|check|bench]   (default all)
-# "all" may now pass 600 s (one device call's limit): run "check" (build, correctness,
+#   device run:  bash benchmarks/gpu/check.sh [all|check|bench]   (default all)
+# "all" may pass 600 s (one device call's limit): run "check" (build, correctness,
 # sanitizer, NCCL, tests) and then "bench" (build again, a no-op on a warm machine; benchmarks)
 # as two calls, each with timeout_s ~ 540.
 #   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
 #   trainers:    the "check" part's trainer step needs TRL, verl and what they import, which that
-#                machine lacks: here, `bash benchmarks/gpu_wheels.sh` (fills the git-ignored .whl/,
+#                machine lacks: here, `bash benchmarks/gpu/wheels.sh` (fills the git-ignored .whl/,
 #                about 30 MiB of the 64 MiB that travels), then run with carry [".whl"]; without
 #                them the step prints SKIPPED and the rest still runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -51,10 +51,10 @@ step "check against the float64 reference"
 grep -h "FAIL" "$OUT"/check_v*.txt | head -n 20
 
 step "compute-sanitizer memcheck"
-compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/sanitizer_probe.py 2>&1 | tee "$OUT/memcheck.txt" | tail -n 4 || status=1
+compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/gpu/sanitizer_probe.py 2>&1 | tee "$OUT/memcheck.txt" | tail -n 4 || status=1
 
 step "distributed: the NCCL path in a group of one GPU"
-timeout 120 "$PY" benchmarks/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9 || status=1
+timeout 120 "$PY" benchmarks/gpu/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9 || status=1
 
 step "fused-linear tile kernels on the GPU against the float64 reference"
 timeout 150 "$PY" -m pytest tests/linear/test_fused_linear_tiled.py tests/linear/test_tile_ops.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_tiles.txt" | tail -n 4 || status=1
@@ -65,10 +65,10 @@ step "test suite on the GPU"
 timeout 240 "$PY" -m pytest tests -q -x -p no:cacheprovider -k "(cuda or triton) and not compile" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -n 6 || status=1
 
 step "trainers: one TRL drop-in step and one verl actor update against their own paths (bf16)"
-# benchmarks/gpu_trainer_steps.py: loss, gradients and log-probs against TRL's and verl's own
-# code on one batch, with each path's peak memory; needs .whl (benchmarks/gpu_wheels.sh): a
+# benchmarks/trainer_steps/parity.py: loss, gradients and log-probs against TRL's and verl's own
+# code on one batch, with each path's peak memory; needs .whl (benchmarks/gpu/wheels.sh): a
 # trainer it cannot import is reported SKIPPED and does not fail the run.
-timeout 300 "$PY" benchmarks/gpu_trainer_steps.py --device cuda --dtype bf16 2>&1 | tee "$OUT/trainer_steps.txt" || status=1
+timeout 300 "$PY" benchmarks/trainer_steps/parity.py --device cuda --dtype bf16 2>&1 | tee "$OUT/trainer_steps.txt" || status=1
 fi
 
 if want bench; then
@@ -80,24 +80,24 @@ step "benchmark: fused linear, N = 16384, H = 4096, V = 151936, bf16"
 "$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,liger,cce,fused,fused_tiles --modes fwd+bwd \
     --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | tee "$OUT/gpu_bench_linear.txt" | grep -v '^\[' || status=1
 
-# --- small micro-batches (issue 19): eager against one CUDA-graph capture replayed, and the
+# --- small micro-batches: eager against one CUDA-graph capture replayed, and the
 # capture's loss and gradient against the eager call's, bitwise (fails the step otherwise).
 step "small micro-batches: eager vs CUDA graph, N = 1024 ... 16384, V = 151936, bf16"
-timeout 240 "$PY" benchmarks/cuda_graph.py --tokens 1024,2048,4096,16384 --vocab 151936 --backends cuda,triton \
+timeout 240 "$PY" benchmarks/gpu/cuda_graph.py --tokens 1024,2048,4096,16384 --vocab 151936 --backends cuda,triton \
     --json "$OUT/gpu_cuda_graph.json" 2>&1 | tee "$OUT/gpu_cuda_graph.txt" || status=1
 "$PY" -m gspo_kernels bench --host 2>&1 | tee "$OUT/gpu_host.txt" | tail -n 20 || status=1
 # --- end of small micro-batches
 
 fi
 
-# --- batch invariance (issue 18): its own part, `bash benchmarks/gpu_check.sh invariant`
-# (~5 minutes budgeted, unmeasured: no GPU run yet; also part of "all"). Probe rows alone
-# against the same rows in batches of 1k, 4k and 16k, for the cuda and triton backends of the
-# chunked path and the tile kernels (fused=True), then two runs of the loss bitwise; then
-# fused_invariant (and fused_tiles_invariant) timed against the default at the issue's size.
+# --- batch invariance: its own part, `bash benchmarks/gpu/check.sh invariant` (timeouts of
+# 300 + 240 s; also part of "all"). Probe rows alone against the same rows in batches of 1k, 4k
+# and 16k, for the cuda and triton backends of the chunked path and the tile kernels
+# (fused=True), then two runs of the loss bitwise; then fused_invariant (and
+# fused_tiles_invariant) timed against the default at N = 16384, H = 4096, V = 151936.
 if want invariant; then
 step "batch invariance: rows alone vs in batches of 1k-16k, H = 4096, V = 151936, bf16"
-timeout 300 "$PY" benchmarks/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles \
+timeout 300 "$PY" benchmarks/gpu/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles \
     --sizes 1024,4096,16384 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" || status=1
 
 step "benchmark: fused_invariant against fused, N = 16384, H = 4096, V = 151936, bf16"

@@ -1,6 +1,6 @@
 """TP merge precision against one process: log-probs and entropies of float32 logits randn + c,
 V = 1000 split over 2 gloo ranks, against the float64 log-softmax of the same float32 logits.
-Run: python benchmarks/tp_precision_probe.py (about 20 s on 2 cores)."""
+Run: python benchmarks/cpu/tp_precision_probe.py (about 20 s on 2 cores)."""
 import os
 import tempfile
 

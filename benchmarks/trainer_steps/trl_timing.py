@@ -2,7 +2,7 @@
 trainer and with the gspo_kernels drop-in, on the same tiny random Llama with V = 32768 (the
 lm_head and its logits dominate): median time and peak memory beyond the inputs.
 
-    python benchmarks/trl_step_bench.py [--rows 8 --completion 256 --vocab 32768 --reps 5] [--lora]
+    python benchmarks/trainer_steps/trl_timing.py [--rows 8 --completion 256 --vocab 32768 --reps 5] [--lora]
 
 --lora wraps the model in PEFT LoRA (r 8 on every projection, the lm_head frozen), as a
 small-GPU user would: only the adapters train, and the head's gradient is not formed.
@@ -11,6 +11,9 @@ Each trainer runs in a fresh subprocess; memory is the peak RSS (VmHWM, reset af
 step) minus the RSS before the measured step, with every block of 64 KiB or more mapped on
 allocation so that freed memory leaves RSS (as gspo_kernels.bench.memory does). float32,
 importance_sampling_level="sequence", loss_type="grpo", beta 0.04.
+
+It times; parity_trl.py (run by parity.py) checks the same step's loss and gradients against
+TRL's own.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """One TRL drop-in step and one verl actor update, each against the trainer's own path on the
 same tiny random Llama and batch, with the peak device memory of each path; for
-benchmarks/gpu_check.sh (bf16, the fused forward on) and runnable on a CPU.
+benchmarks/gpu/check.sh (bf16, the fused forward on) and runnable on a CPU.
 
-    python benchmarks/gpu_trainer_steps.py [--device cuda] [--dtype bf16|float32] [--only trl|verl]
+    python benchmarks/trainer_steps/parity.py [--device cuda] [--dtype bf16|float32] [--only trl|verl]
         [--vocab V --hidden H --layers L --rows B --prompt P --completion C]
 
-TRL: trainer_step_trl.py (GRPOTrainer._compute_loss + backward, GSPO settings). verl:
-trainer_step_verl.py (ActorRolloutRefWorker's compute_log_prob and update_actor, verl's gspo
+TRL: parity_trl.py (GRPOTrainer._compute_loss + backward, GSPO settings). verl:
+parity_verl.py (ActorRolloutRefWorker's compute_log_prob and update_actor, verl's gspo
 against gk_gspo with use_fused_kernels and impl_backend=gspo_kernels). Each runs in a process of
 its own: verl's patch sets the forward of the model class for the whole process, and a missing
 trainer skips only its own row. Tolerances and why: beside TOLERANCES in each file. Memory is
@@ -14,7 +14,7 @@ torch.cuda.max_memory_allocated over the step (peak) and its rise above what was
 the step began (the step's own); on a CPU it is not taken.
 
 Exit status: 0 when every check that ran passed (a trainer that cannot be imported is reported
-SKIPPED and does not fail the run: carry .whl, see benchmarks/gpu_wheels.sh), 1 on a mismatch or
+SKIPPED and does not fail the run: carry .whl, see benchmarks/gpu/wheels.sh), 1 on a mismatch or
 a crash."""
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ def _child(args) -> None:
     """Runs one trainer's step in this process and prints its result line."""
     import torch
 
-    from trainer_step_common import report
+    from parity_common import report
 
     torch.manual_seed(0)
     if args.device.startswith("cpu"):
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.child == "trl":
-        from trainer_step_trl import run
+        from parity_trl import run
     else:
-        from trainer_step_verl import run
+        from parity_verl import run
     report(run(args))
     # At once: a live trainer (accelerate's state, verl's gloo group, Ray's modules) has made a
     # clean interpreter exit hang or abort after the result was out (tests/integrations/trainer_world.py).
@@ -70,7 +70,7 @@ def _child(args) -> None:
 
 
 def _run_child(kind: str, argv: list[str]) -> dict:
-    from trainer_step_common import RESULT
+    from parity_common import RESULT
 
     proc = subprocess.run([sys.executable, __file__, "--child", kind, *argv], capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]

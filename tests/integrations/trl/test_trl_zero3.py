@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
-from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/ is on sys.path)
+from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -29,7 +29,7 @@ CASE = dict(level="sequence", loss_type="grpo", beta=0.04)
 
 def _worker(rank: int, port: int, out: str) -> None:
     join(rank, WORLD, port)
-    import test_integration_trl as T
+    import test_trl_drop_in as T
     import trl
     from deepspeed.utils import safe_get_full_grad
 

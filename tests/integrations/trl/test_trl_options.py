@@ -32,8 +32,8 @@ def test_luspo_sums_each_row_and_averages_the_rows():
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_vespo_maps_onto_its_objective(level):
-    # The level is importance_sampling_level's (issue 24): VESPO's weight is the sequence's at
-    # either level, but the ratio the KL's bias correction multiplies by is the level's.
+    # The level is importance_sampling_level's: VESPO's weight is the sequence's at either
+    # level, but the ratio the KL's bias correction multiplies by is the level's.
     cfg = gspo_config(TRLSettings(loss_type="vespo", importance_sampling_level=level, vespo_k_pos=1.5,
                                   vespo_lambda_neg=2.5, beta=0.04, use_bias_correction_kl=True))
     assert (cfg.objective, cfg.level, cfg.loss_agg) == ("vespo", level, "token-mean")

@@ -1,4 +1,4 @@
-"""What the two trainer steps of gpu_trainer_steps.py share: the peak device memory of a step,
+"""What the two trainer steps of parity.py share: the peak device memory of a step,
 relative errors, log-ratios that stay clear of the clip boundaries, and the report a step's
 process hands back to the driver (one JSON line after RESULT)."""
 
@@ -81,4 +81,4 @@ def report(result: dict) -> None:
 def skipped(trainer: str, error: ImportError) -> dict:
     return {"trainer": trainer, "status": "skipped",
             "reason": f"cannot import {getattr(error, 'name', None) or error} ({error}); carry .whl "
-                      "(benchmarks/gpu_wheels.sh)"}
+                      "(benchmarks/gpu/wheels.sh)"}

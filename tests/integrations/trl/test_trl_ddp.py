@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("trl")
-from trainer_world import free_port, join  # noqa: E402  (tests/integrations/ is on sys.path)
+from trainer_world import free_port, join  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     join(rank, world, port)
-    import test_integration_trl as T
+    import test_trl_drop_in as T
     from gspo_kernels.testing.tiny import tiny_grpo_trainer, tiny_llama
     from gspo_kernels.integrations.trl import GRPOTrainer
 

@@ -1,6 +1,6 @@
 """pytest-benchmark suite over the same providers as `python -m gspo_kernels bench`:
 
-    pytest benchmarks --benchmark-only [--bench-shape 8x512x32768] [--bench-dtype bf16]
+    pytest benchmarks/cpu --benchmark-only [--bench-shape 8x512x32768] [--bench-dtype bf16]
 
 Each benchmark is one forward + backward of the GSPO loss; providers that cannot run here
 are skipped with the reason.

@@ -1,15 +1,16 @@
 """Small micro-batches on a GPU: one gspo_loss forward + backward launched eagerly against the same
 call captured once in a CUDA graph and replayed, each as a fraction of the byte floor.
 
-    python benchmarks/cuda_graph.py [--tokens 1024,2048,4096,16384] [--vocab 151936] [--json out.json]
+    python benchmarks/gpu/cuda_graph.py [--tokens 1024,2048,4096,16384] [--vocab 151936] [--json out.json]
 
 The capture follows the pattern of docs/performance.md ("CUDA graphs"): static inputs, a few
 warm-up calls on a side stream, then one captured call whose loss and logits gradient are
 static outputs. Each replay must give exactly the eager call's loss and gradient (same kernels,
 same order), which this script checks before it times anything. The byte floor is 3 N V 2 bytes
-(bf16: two reads of the logits, one write of the gradient) over 4.3 TB/s, the H200 copy rate
-measured in this workplace (shared/DESIGN.md). `--device cpu` runs the eager half only, to check
-the script itself where there is no GPU.
+(bf16: two reads of the logits, one write of the gradient) over 4.3 TB/s, an H200's copy rate
+counting read + write (a figure measured outside this repository; `python -m gspo_kernels bench`
+measures the machine's own). `--device cpu` runs the eager half only, to check the script itself
+where there is no GPU.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ training_step runs it) with TRL's own trainer and with the gspo_kernels drop-in,
 of one tiny random Llama and the same batch: GSPO's settings (importance_sampling_level
 "sequence", loss_type "grpo", epsilon 3e-4 / 4e-4, beta 0.04), `bf16=True` (the trainer's
 autocast) or float32. Returns the loss and worst gradient errors and each path's peak memory.
-Run by gpu_trainer_steps.py in a process of its own."""
+Run by parity.py in a process of its own; trl_timing.py times the same step."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import warnings
 
 import torch
 
-from trainer_step_common import PeakMemory, rel, shifted_old, skipped, worst_grad
+from parity_common import PeakMemory, rel, shifted_old, skipped, worst_grad
 
 # bf16=True: TRL's fused head multiplies the bf16 hidden states by the lm_head in bf16 under the
 # trainer's autocast, the drop-in's in float32 (docs/trainers.md), so the two differ by the bf16
-# rounding of the logits. tests/integrations/test_trl_adapted.py::test_bf16 measured 1.3e-4 on
+# rounding of the logits. tests/integrations/trl/test_trl_adapted.py::test_bf16 measured 1.3e-4 on
 # the loss and 7.2e-3 on gradients on a CPU and holds them to 2e-2 and 3e-2; the same bounds
 # here. float32: the parity tests' own bounds.
 THEIRS, OURS = "TRL's own", "gspo_kernels drop-in"

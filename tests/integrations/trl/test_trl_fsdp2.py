@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 pytest.importorskip("trl")
-from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/ is on sys.path)
+from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -55,7 +55,7 @@ def _full_grads(model) -> dict:
 
 def _worker(rank: int, port: int, out: str, setup: str) -> None:
     join(rank, WORLD, port)
-    import test_integration_trl as T
+    import test_trl_drop_in as T
     import trl
     from torch.distributed.device_mesh import init_device_mesh
 

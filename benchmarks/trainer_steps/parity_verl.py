@@ -1,11 +1,11 @@
 """One verl actor update through verl 0.9.1's own actor worker (`ActorRolloutRefWorker`, role
 actor, its FSDP2 engine and `apply_monkey_patch`), built from verl's Hydra `ppo_trainer` config
-as tests/integrations/test_verl_actor.py builds it, in a world of one process: verl's own `gspo`
-loss with its unfused forward against `gk_gspo` with the README's keys (`external_lib`,
+as tests/integrations/verl/test_verl_actor.py builds it, in a world of one process: verl's own
+`gspo` loss with its unfused forward against `gk_gspo` with the README's keys (`external_lib`,
 `use_fused_kernels=True`, `impl_backend=gspo_kernels`). verl's mixed precision as it ships
 (`param_dtype` bf16, bf16 autocast) or float32. Compares `compute_log_prob`'s log-probs and
 entropies, the update's loss and every parameter's gradient at the optimizer step; peak memory of
-each path's log-prob pass and update. Run by gpu_trainer_steps.py in a process of its own."""
+each path's log-prob pass and update. Run by parity.py in a process of its own."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from trainer_step_common import PeakMemory, rel, shifted_old, skipped, worst_grad
+from parity_common import PeakMemory, rel, shifted_old, skipped, worst_grad
 
 TEMPERATURE = 1.0
 # bf16: both sides run the backbone under the same autocast with bf16 FSDP2 parameters; verl's
@@ -177,7 +177,7 @@ def run(args) -> dict:
     try:
         if device.type == "cpu":
             # verl 0.9.1 has no CPU platform: the tests' registration, before verl picks its platform
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integrations"))
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "integrations", "verl"))
             import verl_cpu_platform  # noqa: F401
         import hydra  # noqa: F401  (verl's config)
         import verl

@@ -2,7 +2,7 @@
 inside batches of other rows (each at another offset), for each path; then two runs of the loss,
 bitwise. Prints one line per (path, batch) and exits 1 on any difference.
 
-    python benchmarks/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles \\
+    python benchmarks/gpu/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles \\
         --sizes 1024,4096,16384 --hidden 4096 --vocab 151936
 
 A path is a backend of the chunked path (cuda, triton, cpu, torch) or `tiles` (fused=True).

@@ -15,7 +15,7 @@ pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 import trl  # noqa: E402
 
-import test_integration_trl as T  # noqa: E402  (tests/integrations/ is on sys.path)
+import test_trl_drop_in as T  # noqa: E402  (this folder is on sys.path)
 from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -2,7 +2,7 @@
 set, on the cuda and triton backends, logits and fused linear, padded and packed, against
 the same backend with no group (verify.run_group_of_one). It proves the NCCL path runs: the
 collectives, their dtypes and devices, the fix-up kernels. Prints one line per case; exits 1
-on a failure. Run by gpu_check.sh."""
+on a failure. Run by check.sh."""
 
 from __future__ import annotations
 

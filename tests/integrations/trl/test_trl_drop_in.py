@@ -218,10 +218,11 @@ def test_drop_in_matches_trl(trainers, case):
     _compare(trainers, case)
 
 
-# Issue 24: VESPO's weight is the sequence's product ratio at either level, but the KL's bias
-# correction (TRL's default use_bias_correction_kl) multiplies by importance_sampling_level's
-# ratio: each token's at "token". Mapped to level="sequence", the loss still agreed to 1e-6 and
-# only the gradients told (up to 1.3e-3 apart here); sequence level is the control.
+# VESPO's weight is the sequence's product ratio at either level, but the KL's bias correction
+# (TRL's default use_bias_correction_kl) multiplies by importance_sampling_level's ratio: each
+# token's at "token". A drop-in that ran "token" as level="sequence" would match TRL's loss to
+# ~1e-6 on these cases and miss its gradients by up to 1.3e-3 relative (TRL 1.16, tiny Llama and
+# Qwen2, float32, CPU): the gradients are what these cases check; sequence level is the control.
 VESPO_KL_CASES = [dict(level=level, loss_type="vespo", beta=beta, use_bias_correction_kl=True, accumulation=steps)
                   for level, beta, steps in [("token", 0.04, 1), ("token", 0.04, 2), ("token", 0.1, 1),
                                              ("token", 0.1, 2), ("sequence", 0.04, 2)]]

@@ -11,7 +11,7 @@ matmul speed hits them alike; medians over rounds.
     shipped          choose_sweep     bf16 where the CPU multiplies it natively
     invariant        vocab            as shipped, with batch_invariant=True (fixed product shapes)
 
-Run: python benchmarks/fused_linear_ab.py [rounds] [variant,...] (about 4 minutes at 7 rounds on
+Run: python benchmarks/cpu/fused_linear_ab.py [rounds] [variant,...] (about 4 minutes at 7 rounds on
 2 cores; default: all; the first variant given is the ratios' base, materialized when it is in).
 """
 import statistics

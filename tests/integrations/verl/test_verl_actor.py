@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 pytest.importorskip("verl.workers.engine_workers")
 pytest.importorskip("hydra")
-from trainer_world import join, leave, run  # noqa: E402
+from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 from gspo_kernels.config import LinearConfig  # noqa: E402
 

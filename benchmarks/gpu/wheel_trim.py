@@ -1,10 +1,10 @@
 """Rewrites a ray wheel without the parts a single-process verl actor never runs, so that it
 fits in the 64 MiB working tree that travels to the GPU machine (the whole cp312 wheel is 76 MiB).
 
-    python benchmarks/gpu_wheel_trim.py .whl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+    python benchmarks/gpu/wheel_trim.py .whl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 
 verl's modules `import ray` at the top (the worker base class, the decorators), so the package
-must import; benchmarks/gpu_trainer_steps.py never starts a Ray cluster, so the cluster's own
+must import; benchmarks/trainer_steps/parity.py never starts a Ray cluster, so the cluster's own
 executables (gcs_server, raylet: ray/core/src/), the Java jars (ray/jars/) and the dashboard's web
 client (ray/dashboard/client/) are dropped, with their RECORD lines. `import ray` loads
 ray/_raylet.so, which is kept. The wheel is rewritten in place under its own name."""
