@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import gspo_kernels as gk
-from gspo_kernels.distributed.problem_split import context_part, even_parts
+from gspo_kernels.testing.problem_split import context_part, even_parts
 
 
 class TinyBody(torch.nn.Module):

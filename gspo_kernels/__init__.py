@@ -4,7 +4,7 @@ plain PyTorch reference.
 The house, top down: loss.py, policy_loss.py and linear/ are the entry points; config.py their
 options; stats/ (stages 1 and 3 on logits) and stage2/ (the sequence math) do the work, on
 backends/ (the kernels); distributed/ holds the collectives. testing/ (the float64 reference,
-problems, verification, tiny models), bench/ and cli/ sit on top.
+problems and their parallel splits, verification, tiny models), bench/ and cli/ sit on top.
 """
 
 from . import distributed

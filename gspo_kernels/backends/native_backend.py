@@ -8,8 +8,6 @@ import torch
 from .contract import GradInputs
 from .layout import with_unit_vocab_stride
 
-name = "native"
-
 _load_error: str | None = None
 try:
     from . import _C  # noqa: F401  (loading it registers torch.ops.gspo_kernels.*)

@@ -13,8 +13,6 @@ import torch
 
 from .contract import LOG_FLOOR, GradInputs
 
-name = "torch"
-
 
 def _scaled_rows(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
     """A fresh float32 (or float64) copy of the logits as `[N, V]`, divided by the temperature."""

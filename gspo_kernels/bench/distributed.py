@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.normalizer import global_normalizer
-from ..distributed.problem_split import even_parts
 from ..loss import gspo_loss
+from ..testing.problem_split import even_parts
 
 SPLITS = ("tp", "cp", "dp")
 SEQ_LEN = 512

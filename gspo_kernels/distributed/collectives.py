@@ -1,15 +1,8 @@
-"""The collectives the distributed loss is built from, on torch.distributed.
-
-Context parallelism splits the loss's graph across ranks: each rank's graph holds its own
-rows, joined by all-reduced sums (per sequence, or over all tokens), and then computes the
-same (replicated) loss from them. The backward of such a sum must collect the adjoints of
-*every* rank's consumers of the summed value, since each rank's rows use it: it all-reduces
-the gradient, the rule of a loss that is a sum of per-rank terms (as in
-torch.distributed.nn). Here each of the W ranks returns the whole loss, whose sum over ranks
-is W times it; `replicated_loss` divides its gradient by W once, at the end, so that every
-rank's inputs get exactly their part of the single-process gradient. (Dividing at each sum
-instead, or taking the identity as the backward, gets chains of sums wrong: a per-sequence
-ratio, itself a sum, used by every rank's tokens.)
+"""The collectives the distributed loss is built from, on torch.distributed. None is
+differentiable: stage 2 computes the loss and its gradient coefficients from the summed values
+in one no-grad pass (stage2/gradient.py), so each rank's rows get their part of the
+single-process gradient with no collective in backward; the fused-linear backward sums
+`d hidden` over the vocab shards itself (sum_over_ranks).
 """
 
 from __future__ import annotations
@@ -18,46 +11,14 @@ import torch
 import torch.distributed as dist
 
 
-class _SumOverRanks(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, group):
-        ctx.group = group
-        total = local.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
-
-
-class _ReplicatedLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, loss, group):
-        ctx.world = dist.get_world_size(group)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.world, None
-
-
 def replicated_sum(local: torch.Tensor, group) -> torch.Tensor:
-    """The sum of `local` over the group's ranks, on every rank; its backward all-reduces the
-    gradient (see the module docstring). `group=None`: no group, `local` is returned."""
+    """The sum of `local` over the group's ranks, on every rank, in a new tensor (not
+    differentiable). `group=None`: no group, `local` is returned."""
     if group is None:
         return local
-    return _SumOverRanks.apply(local, group)
-
-
-def replicated_loss(loss: torch.Tensor, group) -> torch.Tensor:
-    """The loss every rank of the group computed from the summed values: unchanged, with its
-    gradient divided by the group's size (see the module docstring)."""
-    if group is None:
-        return loss
-    return _ReplicatedLoss.apply(loss, group)
+    total = local.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
 
 
 def all_reduce_max(local: torch.Tensor, group) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import gspo_kernels as gk
 from gspo_kernels.linear import chunked
-from gspo_kernels.distributed.problem_split import even_parts
+from gspo_kernels.testing.problem_split import even_parts
 
 from dist_grid import Case
 from dist_problems import SEQ_LEN, VOCAB, options_of, per_call, whole_problem

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_kernels.distributed.problem_split import even_parts
+from gspo_kernels.testing.problem_split import even_parts
 
 from dist_grid import Case
 

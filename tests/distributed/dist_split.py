@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo_kernels.distributed.problem_split import context_part, data_part, even_parts
+from gspo_kernels.testing.problem_split import context_part, data_part, even_parts
 
 from dist_grid import Case
 from dist_problems import BATCH, SEQ_LEN

@@ -68,7 +68,7 @@ class _Rank:
     """This rank's vocab slice of the lm_head and the keywords the fused-linear calls take."""
 
     def __init__(self, rank: int, world: int, weight, bias):
-        from gspo_kernels.distributed.problem_split import even_parts
+        from gspo_kernels.testing.problem_split import even_parts
 
         self.start, stop = even_parts(VOCAB, world)[rank]
         self.weight, self.bias = weight[self.start:stop], bias[self.start:stop]
@@ -99,7 +99,7 @@ def _unequal(got, want, where: str) -> list[str]:
 def _check_rows(rank: int, world: int, path) -> tuple[list[str], dict]:
     hidden, weight, bias, targets, coef = _operands(path[2])
     shard = _Rank(rank, world, weight, bias)
-    from gspo_kernels.distributed.problem_split import even_parts
+    from gspo_kernels.testing.problem_split import even_parts
 
     slices = even_parts(VOCAB, world)
     for row, owner in zip(PICKED, (0, world - 1, 0)):  # targets on different ranks' slices

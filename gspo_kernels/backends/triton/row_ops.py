@@ -13,8 +13,6 @@ from ..layout import RowLayout, elements_disjoint, next_power_of_2, with_unit_vo
 from . import row_kernels as kernels
 from .common import INTERPRETED  # noqa: F401  (read as backends.triton_backend.INTERPRETED)
 
-name = "triton"
-
 
 # Untuned on a GPU so far (no GPU run has been recorded): 16 KiB of logits per block keeps
 # every thread on several 16-byte loads per iteration at 8 warps.
