@@ -33,7 +33,8 @@ VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.
 KL_ESTIMATORS = ("k1", "k2", "k3")
 BACKENDS = ("auto", "triton", "torch", "cpu", "cuda")
 # Gradient filtering (LinearConfig.fused) is off unless asked for: what it drops is bounded
-# (docs/fused_linear.md, "Gradient filtering") but its speed-up is unmeasured (no GPU run yet).
+# (docs/fused_linear.md, "Gradient filtering"), what it saves is unmeasured (docs/performance.md,
+# "Unmeasured").
 DEFAULT_FILTER_EPS = 0.0
 
 

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..config import GSPOConfig
 from ..loss import gspo_loss
 
-# One row per objective as a user would call it; "gspo+kl+entropy" is the second goal.
+# One row per objective as a user would call it; "gspo+kl+entropy" is plain GSPO with the k3 KL and
+# the entropy bonus on.
 CASES = {
     "gspo": dict(level="sequence"),
     "gspo+kl+entropy": dict(level="sequence", beta=0.04, entropy_coef=0.01),

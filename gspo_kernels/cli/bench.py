@@ -15,12 +15,14 @@ from ..bench.runner import SuiteConfig, SuiteResult, machine_meta, run_suite, st
 from ..bench.timing import MODES
 from .progress import Progress
 
-# The CPU default is the native-kernel issue's problem; GPU shapes cover the common vocabularies.
+# The CPU default is B = 8, T = 512, V = 32768 (benchmarks/RESULTS.md's CPU runs); GPU shapes cover
+# the common vocabularies.
 CPU_SHAPES = ("8x512x32768",)
 GPU_SHAPES = tuple(f"{n // 1024}x1024x{v}" for v in (32000, 128256, 151936) for n in (4096, 16384, 65536))
 CPU_SWEEPS = (("2x512x{}", (8192, 16384, 32768, 65536)), ("{}x512x32768", (1, 2, 4, 8)))
 GPU_SWEEPS = (("16x1024x{}", (32000, 65536, 128256, 151936)), ("{}x1024x151936", (4, 8, 16, 32)))
-# Fused linear (NxHxV): the CPU problem (pass 8192x512x32768 too to see memory flat in N).
+# Fused linear (NxHxV): N = 2048, H = 512, V = 32768 on a CPU (pass 8192x512x32768 too to see memory
+# flat in N).
 LINEAR_CPU_SHAPES = "2048x512x32768"
 LINEAR_GPU_SHAPES = "16384x4096x151936"
 

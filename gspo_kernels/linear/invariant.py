@@ -18,9 +18,10 @@ import torch
 
 from .products import Operands, upcast_block_rows
 
-# Hidden rows per product. A GPU wants tall products to fill its tensor cores. A CPU's too: on
-# this session's 2-core EPYC (AVX2) a (R x 512) @ (512 x 8192) product ran at 12, 19, 26 and 29
-# GFLOP/s for R = 64, 128, 256, 512 (a loaded machine); 256 is the default chunk at V = 32768.
+# Hidden rows per product. A GPU wants tall products to fill its tensor cores. A CPU's too: on a
+# 2-core AMD EPYC with AVX2 only (no AVX-512; torch 2.14.1, loaded by other runs, 2026-12-02) a
+# (R x 512) @ (512 x 8192) product ran at 12, 19, 26 and 29 GFLOP/s for R = 64, 128, 256, 512;
+# 256 is the default chunk at V = 32768.
 INVARIANT_ROWS = {"cpu": 256, "cuda": 512}
 # A vocab block's float32 weight rows (columns = budget / (4 H)). On a CPU half the default path's
 # upcast block: the backward's block of `d weight` is a float32 sum besides its upcast weight

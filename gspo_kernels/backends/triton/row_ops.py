@@ -14,8 +14,8 @@ from . import row_kernels as kernels
 from .common import INTERPRETED  # noqa: F401  (read as backends.triton_backend.INTERPRETED)
 
 
-# Untuned on a GPU so far (no GPU run has been recorded): 16 KiB of logits per block keeps
-# every thread on several 16-byte loads per iteration at 8 warps.
+# 16 KiB of logits per block keeps every thread on several 16-byte loads per iteration at
+# 8 warps; not tuned on a GPU (docs/performance.md, "Unmeasured").
 _BLOCK_BYTES = 16384
 _NUM_WARPS = 8
 

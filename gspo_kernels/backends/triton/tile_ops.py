@@ -31,9 +31,9 @@ class TileConfig:
     @staticmethod
     def default(dtype: torch.dtype = torch.bfloat16) -> "TileConfig":
         # The interpreter runs numpy per tile: small tiles keep CI fast and still give several
-        # tiles per problem. GPU tiles: untuned (no GPU run has been recorded); they compile for
-        # sm_90 without register spills (tests/kernels/triton_sm90_compile.py), float32 at a
-        # quarter of the tile.
+        # tiles per problem. GPU tiles compile for sm_90 without register spills
+        # (tests/kernels/triton_sm90_compile.py), float32 at a quarter of the tile; their speed is
+        # unmeasured (docs/performance.md, "Unmeasured").
         if INTERPRETED:
             return TileConfig(16, 32, 16, 4)
         if dtype == torch.float32:
