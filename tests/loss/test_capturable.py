@@ -1,7 +1,7 @@
 """What a CUDA graph needs of one loss call, checked without a GPU: the call runs whole on the
 meta device (shapes only, so any read of a value on the host, any data-dependent shape, would
 raise), and no op in it takes or makes a tensor on another device (a CPU tensor made per call
-would be a host-to-device copy at capture). The capture itself runs in benchmarks/cuda_graph.py
+would be a host-to-device copy at capture). The capture itself runs in benchmarks/gpu/cuda_graph.py
 on a GPU."""
 
 import pytest
