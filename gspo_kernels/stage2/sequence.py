@@ -57,6 +57,9 @@ def _aggregation_weight(config: GSPOConfig, batch: LossBatch, counts: _Counts):
     """W of each token as a number, a 0-d or an `[S]` per-sequence tensor (0 outside the
     response is applied by the caller): the loss is sum_t W_t * term_t."""
     normalizer = batch.normalizer
+    if isinstance(normalizer, torch.Tensor):
+        # In the loss's dtype: a float32 normalizer's reciprocal would round float64 terms.
+        normalizer = normalizer.to(counts.length.dtype)
     if config.loss_agg in ("token-mean", "token-sum"):
         if normalizer is not None:
             return 1.0 / normalizer
