@@ -40,8 +40,12 @@ def has_unit_vocab_stride(t: torch.Tensor) -> bool:
 
 
 def with_unit_vocab_stride(logits: torch.Tensor) -> torch.Tensor:
-    """The kernels stream along the vocab; a transposed input is copied once to allow that."""
-    return logits if has_unit_vocab_stride(logits) else logits.contiguous()
+    """The kernels stream along the vocab; a transposed input is copied once to allow that. An
+    empty one counts as contiguous whatever its strides, so contiguous() would keep them: it gets
+    a new (empty) buffer instead."""
+    if has_unit_vocab_stride(logits):
+        return logits
+    return logits.new_empty(logits.shape) if logits.numel() == 0 else logits.contiguous()
 
 
 def next_power_of_2(n: int) -> int:

@@ -296,7 +296,7 @@ def prepare_batch(config: GSPOConfig, layout: TokenLayout, target_ids, old_logpr
     if config.loss_agg == "seq-mean-token-sum-norm" and horizon is None:
         if layout.packed:
             raise ValueError("loss_agg='seq-mean-token-sum-norm' on packed input needs max_len (the horizon)")
-        horizon = token_shape[1]
+        horizon = max(token_shape[1], 1)  # T = 0: no token to weight, and no division by 0
     return LossBatch(
         targets=targets,
         token_shape=token_shape,

@@ -92,7 +92,8 @@ def _policy_terms(cfg, lp, log_ratio, ratio, a):
         k = torch.tensor([cfg.vespo_k_pos if x >= 0 else cfg.vespo_k_neg for x in a.tolist()], dtype=a.dtype)
         lam = torch.tensor([cfg.vespo_lambda_pos if x >= 0 else cfg.vespo_lambda_neg for x in a.tolist()],
                            dtype=a.dtype)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        # TRL's gamma weight is 0 where it is not finite (a NaN log-ratio in the sequence).
+        phi = torch.nan_to_num(torch.exp(lam + k * log_w - lam * torch.exp(log_w)), nan=0.0, posinf=0.0, neginf=0.0)
         no = torch.zeros(len(a), dtype=torch.bool)
         return -phi * a * lp, no, no
     # gmpo: per-token log-ratios clipped on the pessimistic side of sign(A), geometric mean.
