@@ -21,10 +21,6 @@ from .kinks import clamp_with_slope
 from .objectives import PolicyInputs
 
 
-def _clamped(x: torch.Tensor, bounds) -> tuple[torch.Tensor, torch.Tensor | bool]:
-    return clamp_with_slope(x, *bounds)
-
-
 def _clamped_value(x: torch.Tensor, bounds) -> torch.Tensor:
     low, high = bounds
     return x if low is None and high is None else x.clamp(min=low, max=high)
@@ -59,11 +55,11 @@ def importance_ratio(level: str, x: PolicyInputs, seq_log_ratio: torch.Tensor,
     bounds = x.log_ratio_bounds
     # Where the clamp passes a gradient costs two ops: only the levels that differentiate s_i ask.
     differentiates_seq = level == "sequence_token" or (level == "sequence" and sequence_base is None)
-    clamped_seq, seq_passes = _clamped(seq_log_ratio, bounds) if differentiates_seq else \
+    clamped_seq, seq_passes = clamp_with_slope(seq_log_ratio, *bounds) if differentiates_seq else \
         (_clamped_value(seq_log_ratio, bounds), None)
     seq_ratio = torch.exp(clamped_seq)
     if level == "token":
-        clamped, passes = _clamped(x.log_ratio, bounds)
+        clamped, passes = clamp_with_slope(x.log_ratio, *bounds)
         ratio = torch.exp(clamped)
         return ImportanceRatio(ratio, seq_ratio, _where_passes(ratio, passes))
     if level == "sequence_token":
@@ -76,7 +72,7 @@ def importance_ratio(level: str, x: PolicyInputs, seq_log_ratio: torch.Tensor,
         ratio, token_slope = seq_ratio, True
     else:
         base, token_slope = sequence_base
-        clamped_seq, seq_passes = _clamped(x.segments.seq_sum(base) / x.length, bounds)
+        clamped_seq, seq_passes = clamp_with_slope(x.segments.seq_sum(base) / x.length, *bounds)
         ratio = torch.exp(clamped_seq)
     return ImportanceRatio(x.segments.per_row(ratio), seq_ratio, _where_passes(ratio, seq_passes) / x.length,
                            token_slope, per_sequence=True)
