@@ -94,17 +94,20 @@ def log_prob_scale(built) -> float:
 
 
 def row_ratios(built) -> torch.Tensor:
-    """Each response row's ratio as the reference forms it (1 on-policy), capped at e^20."""
+    """Each response row's ratio as the reference forms it (1 on-policy), its log-ratio clamped
+    to the drawn log_ratio_clamp (an open side: up to float32's largest exp, 88)."""
     n = built.in_response.numel()
     if built.old is None:
         return torch.ones(n, dtype=torch.float64)
-    d = torch.nan_to_num(built.lp64 - built.old.reshape(-1).double(), nan=0.0, posinf=20.0, neginf=-20.0)
+    low, high = built.options.get("log_ratio_clamp", (-20.0, 20.0))
+    low, high = -88.0 if low is None else low, 88.0 if high is None else high
+    d = torch.nan_to_num(built.lp64 - built.old.reshape(-1).double(), nan=0.0, posinf=high, neginf=low)
     if built.options.get("level", "sequence") != "token":
         for rows in built.seq_rows:
             resp = [r for r in rows if built.in_response[r]]
             if resp:
                 d[rows] = d[resp].mean()
-    return torch.exp(d.clamp(-20.0, 20.0))
+    return torch.exp(d.clamp(low, high))
 
 
 def row_advantages(built) -> torch.Tensor:
@@ -228,11 +231,14 @@ def loss_precision(built, d_logprob) -> float:
 
 def kl_precision(built) -> float:
     """The kl metric's absolute precision (a mean over response tokens of kl, times the ratio
-    with use_bias_correction_kl): log_prob_precision through d kl / d lp, F32 of each value."""
+    with use_bias_correction_kl): log_prob_precision through d kl / d lp, F32 of each value,
+    and with the ratio the float32 rounding of its log-ratio, which exp turns into a relative
+    error of F32 * |log ratio| (7e-6 at a ratio of 1e8)."""
     resp = built.in_response
     if built.ref is None or not resp.any():
         return 0.0
     kl, d1, _ = _kl_parts(built)
     ratio = row_ratios(built) if built.options.get("use_bias_correction_kl") else torch.ones_like(kl)
-    per_row = ratio * (log_prob_precision(built) * (d1 + kl) + 4 * F32_RELATIVE * kl)
+    rounding = 4 + 2 * ratio.log().abs()
+    per_row = ratio * (log_prob_precision(built) * (d1 + kl) + rounding * F32_RELATIVE * kl)
     return float(per_row[resp].mean())
