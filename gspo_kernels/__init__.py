@@ -2,8 +2,9 @@
 plain PyTorch reference.
 
 The house, top down: loss.py, policy_loss.py and linear/ are the entry points; config.py their
-options; stats/ (stages 1 and 3 on logits) and stage2/ (the sequence math) do the work, on
-backends/ (the kernels); distributed/ holds the collectives. testing/ (the float64 reference,
+options; inputs/ checks what they are handed, token_stats/ (stages 1 and 3 on logits) and
+sequence/ (stage 2, the sequence math) do the work, on backends/ (the kernels); distributed/
+holds the collectives. testing/ (the float64 reference,
 problems and their parallel splits, verification, tiny models), bench/ and cli/ sit on top.
 """
 
@@ -12,7 +13,7 @@ from .config import GSPOConfig, LinearConfig
 from .linear import FusedLinearGSPOLoss, fused_linear_gspo_loss, fused_linear_selective_log_softmax
 from .loss import GSPOLoss, gspo_loss
 from .policy_loss import policy_loss
-from .stats.token_stats import selective_log_softmax
+from .token_stats.on_logits import selective_log_softmax
 from .testing import reference
 
 __version__ = "0.1.0"

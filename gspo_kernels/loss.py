@@ -7,19 +7,18 @@ import torch
 
 from . import backends
 from .config import GSPOConfig, resolve_config
-from .distributed.vocab_parallel import VocabShard
-from .stage2.inputs import TokenLayout, prepare_batch
-from .stage2.sequence import gspo_objective
-from .stats.token_stats import token_stats
+from .distributed.vocab_parallel import VocabSlice
+from .inputs.checks import CallInputs, TokenLayout, prepare_batch
+from .sequence.gspo_objective import gspo_objective
+from .token_stats.on_logits import token_stats
 
 
-def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, *, tp_group=None,
-                           vocab_start=None, **per_call):
-    batch = prepare_batch(config, TokenLayout.of_logits(logits), target_ids, old_logprobs, advantages, **per_call)
+def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs, advantages, call: CallInputs):
+    batch = prepare_batch(config, TokenLayout.of_logits(logits), target_ids, old_logprobs, advantages, call)
+    tp_slice = VocabSlice.of_rank(call.tp_group, call.vocab_start, logits.shape[-1])
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
-    shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, batch.targets, config.temperature, backend_name, config.inplace,
-                                batch.row_mask, shard)
+                                batch.row_mask, tp_slice)
     return gspo_objective(config, batch, logp, entropy)
 
 
@@ -64,11 +63,10 @@ def gspo_loss(
     context parallelism (this rank's part of every sequence). Every rank then returns the
     loss and metrics of the whole problem, and its gradient is its slice of the whole one.
     """
-    return _gspo_loss_with_config(
-        resolve_config(config, options), logits, target_ids, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
-        entropy_threshold=entropy_threshold, tp_group=tp_group, vocab_start=vocab_start, cp_group=cp_group,
-    )
+    call = CallInputs(mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                      normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group, tp_group=tp_group,
+                      vocab_start=vocab_start)
+    return _gspo_loss_with_config(resolve_config(config, options), logits, target_ids, old_logprobs, advantages, call)
 
 
 class GSPOLoss(torch.nn.Module):
@@ -85,7 +83,8 @@ class GSPOLoss(torch.nn.Module):
     def forward(self, logits, target_ids, old_logprobs, advantages, **tensors):
         """Takes gspo_loss's per-call keywords: mask, cu_seqlens, ref_logprobs,
         rollout_logprobs, normalizer, entropy_threshold, tp_group, vocab_start, cp_group."""
-        return _gspo_loss_with_config(self.config, logits, target_ids, old_logprobs, advantages, **tensors)
+        call = CallInputs.of("GSPOLoss", tensors, refused=("token_weights",))
+        return _gspo_loss_with_config(self.config, logits, target_ids, old_logprobs, advantages, call)
 
     def extra_repr(self) -> str:
         return repr(self.config)

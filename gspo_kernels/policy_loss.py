@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from .config import GSPOConfig, resolve_config
-from .stage2.inputs import LOGPROB_DTYPES, TokenLayout, prepare_batch
-from .stage2.sequence import gspo_objective
+from .inputs.checks import LOGPROB_DTYPES, CallInputs, TokenLayout, prepare_batch
+from .sequence.gspo_objective import gspo_objective
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, *,
@@ -37,9 +37,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advan
     if entropy is not None and (not isinstance(entropy, torch.Tensor) or entropy.shape != logprobs.shape):
         raise ValueError("entropy must be a tensor shaped like logprobs")
     layout = TokenLayout(logprobs.shape, logprobs.device)
-    batch = prepare_batch(config, layout, None, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
-                          ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
-                          entropy_threshold=entropy_threshold, cp_group=cp_group, token_weights=token_weights)
+    call = CallInputs(mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                      normalizer=normalizer, entropy_threshold=entropy_threshold, token_weights=token_weights,
+                      cp_group=cp_group)
+    batch = prepare_batch(config, layout, None, old_logprobs, advantages, call)
     loss, metrics = gspo_objective(config, batch, logprobs, torch.zeros_like(logprobs) if entropy is None else entropy)
     if entropy is None:
         del metrics["entropy"], metrics["entropy_mean"]

@@ -1,6 +1,6 @@
 """The collectives the distributed loss is built from, on torch.distributed. None is
 differentiable: stage 2 computes the loss and its gradient coefficients from the summed values
-in one no-grad pass (stage2/gradient.py), so each rank's rows get their part of the
+in one no-grad pass (sequence/gradient.py), so each rank's rows get their part of the
 single-process gradient with no collective in backward; the fused-linear backward sums
 `d hidden` over the vocab shards itself (sum_over_ranks).
 """

@@ -17,8 +17,8 @@ or the slices overlap or leave a gap there) and how many have a NaN or +inf in t
 Stage 2 then runs identically on every rank. Stage 3 needs no collective: the kernel, given
 the global lse and H, writes this slice's gradient; only the rows whose target lives on
 another rank carry a one-hot term they must not have, at column 0, which is rewritten from
-the formula (an O(N) fix-up, stats/vocab_slice.py: the same for a vocab block on one process).
-This module holds only what needs the group: the shard's place in the vocabulary and the merge.
+the formula (an O(N) fix-up, token_stats/slice_grad.py: the same for a vocab block on one process).
+This module holds the slice's place in the vocabulary and the merge over the group.
 """
 
 from __future__ import annotations
@@ -32,15 +32,19 @@ from .collectives import all_reduce_max, check_group, sum_over_ranks
 
 
 @dataclass(frozen=True)
-class VocabShard:
-    """This rank's slice [vocab_start, vocab_start + local_vocab) of the vocabulary."""
+class VocabSlice:
+    """Columns [start, start + size) of the vocabulary: this rank's slice of a vocab-parallel
+    lm_head (group: its tensor-parallel group), or one block of columns of the fused-linear
+    vocab sweep on one process (group None)."""
 
-    group: object
-    vocab_start: int
-    local_vocab: int
+    start: int
+    size: int
+    group: object = None
 
     @staticmethod
-    def of(group, vocab_start, local_vocab: int) -> "VocabShard | None":
+    def of_rank(group, vocab_start, local_vocab: int) -> "VocabSlice | None":
+        """This rank's slice of `group` (None without a group): it starts at vocab_start, by
+        default rank * local_vocab."""
         if group is None:
             if vocab_start is not None:
                 raise ValueError("vocab_start is the start of this rank's vocab slice and needs tp_group")
@@ -51,7 +55,14 @@ class VocabShard:
             vocab_start = dist.get_rank(group) * local_vocab
         if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
             raise ValueError(f"vocab_start must be an int >= 0 (a global vocab id); got {vocab_start!r}")
-        return VocabShard(group, vocab_start, local_vocab)
+        return VocabSlice(vocab_start, local_vocab, group)
+
+    def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel targets, owned): ids made local, and column 0 for the rows whose target is
+        outside the slice, so that the kernels neither read outside it nor flag the row NaN."""
+        local = targets - self.start
+        owned = (local >= 0) & (local < self.size)
+        return torch.where(owned, local, torch.zeros_like(local)), owned
 
     def merge(self, logp_k, entropy_k, lse_k, owned):
         """The global (logp, entropy, lse) of each row from this slice's stats; lse is NaN for

@@ -1,9 +1,9 @@
 """The fused-linear entry points: the loss (or the token stats) from hidden states and the
 lm_head weight, without the `[N, V]` logits (docs/fused_linear.md).
 
-Each call checks its operands, resolves one LinearPass (plan.py) from the validated
+Each call checks its operands, resolves one LinearPlan (plan.py) from the validated
 LinearConfig, and runs the chunked path (chunked.py, every backend) or the Triton tile path
-(tiled.py, fused=True); stage 2 is the same `stage2.sequence` as for logits.
+(tiled.py, fused=True); stage 2 is the same `sequence.gspo_objective` as for logits.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..config import LinearConfig, check_backend, check_temperature, resolve_config, split_linear_options
-from ..stage2.inputs import TokenLayout, check_mask, check_targets, prepare_batch
-from ..stage2.sequence import gspo_objective
+from ..inputs.checks import CallInputs, TokenLayout, check_mask, check_targets, prepare_batch
+from ..sequence.gspo_objective import gspo_objective
 from .chunked import FusedLinearTokenStats
-from .plan import LinearPass
+from .plan import LinearPlan
 from .tiled import TiledLinearTokenStats
 
 
@@ -46,9 +46,9 @@ def _check_linear(hidden, weight, bias):
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-def _token_stats(rows, weight, bias, targets, row_mask, how: LinearPass):
-    function = TiledLinearTokenStats if how.linear.fused else FusedLinearTokenStats
-    return function.apply(rows, weight, bias, targets, row_mask, how)
+def _token_stats(rows, weight, bias, targets, row_mask, plan: LinearPlan):
+    function = TiledLinearTokenStats if plan.linear.fused else FusedLinearTokenStats
+    return function.apply(rows, weight, bias, targets, row_mask, plan)
 
 
 def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, mask=None,
@@ -78,12 +78,13 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     config = resolve_config(config, options)
     rows = _check_linear(hidden, weight, bias)
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
-    batch = prepare_batch(config, layout, target_ids, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens,
-                          ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, normalizer=normalizer,
-                          entropy_threshold=entropy_threshold, cp_group=cp_group)
-    how = LinearPass.of(linear, config.temperature, config.backend, rows, weight, tp_group, vocab_start)
+    call = CallInputs(mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                      normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group, tp_group=tp_group,
+                      vocab_start=vocab_start)
+    batch = prepare_batch(config, layout, target_ids, old_logprobs, advantages, call)
+    plan = LinearPlan.of(linear, config.temperature, config.backend, rows, weight, tp_group, vocab_start)
     row_mask = None if batch.row_mask is None else batch.row_mask.reshape(-1)
-    logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, how)
+    logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, plan)
     return gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
 
 
@@ -100,8 +101,8 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
     targets_flat = check_targets(target_ids, layout).reshape(-1)
     row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
-    how = LinearPass.of(linear, temperature, backend, rows, weight, tp_group, vocab_start)
-    logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, how)
+    plan = LinearPlan.of(linear, temperature, backend, rows, weight, tp_group, vocab_start)
+    logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, plan)
     logp = logp.reshape(target_ids.shape)
     return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp
 

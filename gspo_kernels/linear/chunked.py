@@ -19,9 +19,9 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..distributed.collectives import sum_over_ranks
-from ..stats.upstream import nan_lse_for_bad_targets, upstream_grads
-from ..stats.vocab_slice import shard_targets
-from .plan import LinearPass
+from ..token_stats.upstream import nan_lse_for_bad_targets, upstream_grads
+
+from .plan import LinearPlan
 from .invariant import invariant_logits
 from .products import Operands
 from .sweeps import SavedPass, choose_sweep, rows_sweep, vocab_sweep
@@ -31,57 +31,57 @@ class FusedLinearTokenStats(torch.autograd.Function):
     """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]`, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, how: LinearPass):
-        backend = backends.get(how.backend_name)
+    def forward(ctx, hidden, weight, bias, targets, row_mask, plan: LinearPlan):
+        backend = backends.get(plan.backend_name)
         rows = hidden.shape[0]
         stats_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logp, entropy, lse = (torch.empty(rows, dtype=stats_dtype, device=hidden.device) for _ in range(3))
         owned = None
-        if how.shard is not None:
-            targets, owned = shard_targets(how.shard, targets)
+        if plan.tp_slice is not None:
+            targets, owned = plan.tp_slice.local_targets(targets)
         ops = Operands(weight, bias)
-        for start in range(0, rows, how.chunk):
-            part = slice(start, min(start + how.chunk, rows))
-            if how.blocks is None:
+        for start in range(0, rows, plan.chunk):
+            part = slice(start, min(start + plan.chunk, rows))
+            if plan.blocks is None:
                 logits = ops.logits(hidden[part])
             else:
-                logits = invariant_logits(weight, bias, hidden[part], how.blocks)
-            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], how.inv_temperature)
-        if how.shard is not None:
+                logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
+            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.inv_temperature)
+        if plan.tp_slice is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
-            logp, entropy, lse = how.shard.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
+            logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
             lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # for the vocab sweep's blocks
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
-        ctx.how = how
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
-        how = ctx.how
+        plan = ctx.plan
         none = (None,) * 3
         if grad_logp is None and grad_entropy is None:
             return (None, None, None) + none
-        backend = backends.get(how.backend_name)
+        backend = backends.get(plan.backend_name)
         need = tuple(ctx.needs_input_grad[:3])
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         saved = SavedPass(hidden, weight, bias, owned,
-                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, how.inv_temperature))
-        reduce_hidden = how.reduce_hidden_grad
-        fp32 = how.linear.weight_grad_fp32
-        if how.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it
+                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature))
+        reduce_hidden_grad = plan.reduce_hidden_grad
+        fp32 = plan.linear.weight_grad_fp32
+        if plan.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it
             sweep = "vocab"
         else:
             sweep = choose_sweep(hidden.shape[0], weight.shape[0], need[0], need[1], fp32, weight.dtype)
         if sweep == "vocab":
-            d_hidden, d_weight, d_bias = vocab_sweep(backend, saved, how.chunk, need, how.blocks)
+            d_hidden, d_weight, d_bias = vocab_sweep(backend, saved, plan.chunk, need, plan.blocks)
         else:
             # A slice's partial d hidden is summed over ranks in float32, then rounded once.
-            d_hidden, d_weight, d_bias = rows_sweep(backend, saved, how.chunk, need, reduce_hidden, fp32)
-        if d_hidden is not None and reduce_hidden:
-            d_hidden = sum_over_ranks(d_hidden, how.shard.group, how.linear.batch_invariant)
+            d_hidden, d_weight, d_bias = rows_sweep(backend, saved, plan.chunk, need, reduce_hidden_grad, fp32)
+        if d_hidden is not None and reduce_hidden_grad:
+            d_hidden = sum_over_ranks(d_hidden, plan.tp_slice.group, plan.linear.batch_invariant)
         return (None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype)) + none

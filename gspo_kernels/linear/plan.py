@@ -9,7 +9,7 @@ import torch
 
 from .. import backends
 from ..config import LinearConfig
-from ..distributed.vocab_parallel import VocabShard
+from ..distributed.vocab_parallel import VocabSlice
 from .invariant import ProductBlocks
 
 # float32 logits per chunk when chunk_size is None: a budget in bytes, rows = budget / (4 V).
@@ -24,24 +24,24 @@ def default_chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class LinearPass:
+class LinearPlan:
     """One call's plan: the validated LinearConfig and what it resolved to for these tensors."""
 
     linear: LinearConfig
     inv_temperature: float
     backend_name: str  # resolved; "triton" whenever linear.fused
     chunk: int  # rows per chunk of the chunked path
-    shard: VocabShard | None = None  # vocab-parallel: the weight holds this rank's vocab slice
+    tp_slice: VocabSlice | None = None  # vocab-parallel: the weight holds this rank's vocab slice
     blocks: ProductBlocks | None = None  # batch_invariant (chunked path): the fixed product shape
 
     @property
     def reduce_hidden_grad(self) -> bool:
         """Whether backward sums `d hidden` over the tensor-parallel group."""
-        return self.shard is not None and self.linear.reduce_hidden_grad
+        return self.tp_slice is not None and self.linear.reduce_hidden_grad
 
     @staticmethod
     def of(linear: LinearConfig, temperature: float, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
-           tp_group=None, vocab_start=None) -> "LinearPass":
+           tp_group=None, vocab_start=None) -> "LinearPlan":
         """hidden: the `[N, H]` rows; weight: `[V, H]` (this rank's slice with tp_group)."""
         # fused=True is the Triton tile kernels: 'auto' means them.
         name = "triton" if linear.fused and backend == "auto" else backend
@@ -49,12 +49,12 @@ class LinearPass:
         if linear.fused:
             _check_fused(resolved, hidden.device)
         chunk = linear.chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.device)
-        shard = VocabShard.of(tp_group, vocab_start, weight.shape[0])
+        tp_slice = VocabSlice.of_rank(tp_group, vocab_start, weight.shape[0])
         blocks = None
         if linear.batch_invariant and not linear.fused:  # the tile kernels' shapes are fixed already
             blocks = ProductBlocks.of(hidden.device, hidden.shape[-1])
             chunk = blocks.round_chunk(chunk)
-        return LinearPass(linear, 1.0 / temperature, resolved, chunk, shard, blocks)
+        return LinearPlan(linear, 1.0 / temperature, resolved, chunk, tp_slice, blocks)
 
 
 def _check_fused(resolved_backend: str, device: torch.device) -> None:

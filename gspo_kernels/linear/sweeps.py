@@ -9,7 +9,7 @@ other in float32 (deterministic either way: no atomics):
 - vocab: blocks of vocab columns over all N rows. A block's `d weight` rows (and `d bias`
   entries) are one product (`dz.T @ hidden`); `d hidden` is summed over the blocks in an
   `[N, H]` accumulator. A row's target lies in one block; the others see it as a foreign row,
-  as a tensor-parallel rank does (stats/vocab_slice.py), and their column 0 is rewritten from
+  as a tensor-parallel rank does (token_stats/slice_grad.py), and their column 0 is rewritten from
   the formula.
 
 `choose_sweep` takes the one with the smaller accumulator (vocab when N < V: at N = 16384,
@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..backends.contract import GradInputs
-from ..stats.vocab_slice import VocabSlice, slice_logits_grad
+from ..distributed.vocab_parallel import VocabSlice
+from ..token_stats.slice_grad import slice_logits_grad
 from .invariant import ProductBlocks, RowBlockProducts, group_rows
 from .products import Operands
 
@@ -61,16 +62,16 @@ def _block_grad(backend, ops, hidden_rows, inputs: GradInputs, owned) -> torch.T
     return slice_logits_grad(backend, ops.logits(hidden_rows), inputs, owned, in_place=True)
 
 
-def rows_sweep(backend, saved: SavedPass, chunk: int, need, hidden_grad_fp32: bool, weight_grad_fp32: bool):
+def rows_sweep(backend, saved: SavedPass, chunk: int, need, reduce_hidden_grad: bool, weight_grad_fp32: bool):
     """(d hidden, d weight, d bias) chunk of rows by chunk; need: which of the three to form.
-    d hidden is in the accumulation dtype with hidden_grad_fp32 (for a sum over ranks), else in
-    hidden's own."""
+    d hidden stays in the accumulation dtype when reduce_hidden_grad (a slice's partial sum,
+    summed over the ranks before it is rounded), else it is in hidden's own."""
     need_h, need_w, need_b = need
     hidden, weight = saved.hidden, saved.weight
     ops = Operands(weight, saved.bias)
     d_hidden = None
     if need_h:
-        d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype if hidden_grad_fp32 else hidden.dtype,
+        d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype if reduce_hidden_grad else hidden.dtype,
                                device=hidden.device)
     # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own
     # dtype instead (half the buffer for 16-bit weights, one rounding per chunk).
@@ -86,7 +87,7 @@ def rows_sweep(backend, saved: SavedPass, chunk: int, need, hidden_grad_fp32: bo
         owned = None if saved.owned is None else saved.owned[part]
         dz = _block_grad(backend, ops, hidden[part], saved.inputs.rows(part), owned)
         if need_h:
-            d_hidden[part] = ops.hidden_grad(dz, once=not hidden_grad_fp32)
+            d_hidden[part] = ops.hidden_grad(dz, once=not reduce_hidden_grad)
         if need_w:
             ops.add_weight_grad(d_weight, dz, hidden[part])
         if need_b:

@@ -13,7 +13,7 @@ import torch
 
 from ..linear import fused_linear_gspo_loss
 from ..loss import gspo_loss
-from ..stats.token_stats import selective_log_softmax
+from ..token_stats.on_logits import selective_log_softmax
 from . import reference
 from .problems import Problem
 

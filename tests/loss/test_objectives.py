@@ -257,7 +257,7 @@ def test_vespo_token_level_kl_correction(backend, packed, seed):
 
 @pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.73, 1.0])
 def test_sync_free_quantile_matches_torch_quantile(q):
-    from gspo_kernels.stage2.corrections import quantile_of_masked
+    from gspo_kernels.sequence.corrections import quantile_of_masked
 
     values = torch.randn(37, dtype=torch.float64)
     mask = torch.rand(37) < 0.6

@@ -13,8 +13,8 @@ PACKAGE = pathlib.Path(gspo_kernels.__file__).parent
 FLOORS = [
     {"config", "backends"},
     {"distributed"},
-    {"stage2"},
-    {"stats"},
+    {"inputs"},
+    {"sequence", "token_stats"},
     {"linear", "loss", "policy_loss"},
     {"integrations", "testing", "__init__"},
     {"bench"},
@@ -97,7 +97,7 @@ def _floor(room: str) -> int:
 def test_the_graph_was_read():
     assert len(MODULES) > 40 and EXTENSIONS == {"gspo_kernels.backends._C"}
     assert "gspo_kernels.backends._C" in GRAPH["gspo_kernels.backends.native_backend"]
-    assert "gspo_kernels.stats.token_stats" in GRAPH["gspo_kernels.loss"]
+    assert "gspo_kernels.token_stats.on_logits" in GRAPH["gspo_kernels.loss"]
     assert "gspo_kernels.backends.contract" in GRAPH["gspo_kernels.backends.triton.row_ops"]
     assert "gspo_kernels.bench.table" in GRAPH["gspo_kernels.cli.check"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import trl
 
-from ...stage2.objectives import vespo_phi
+from ...sequence.objectives import vespo_phi
 
 
 def log_trl_metrics(trainer, metrics: dict, inputs, mask: torch.Tensor) -> None:

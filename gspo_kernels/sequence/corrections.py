@@ -8,7 +8,7 @@ import torch
 
 from ..config import GSPOConfig
 from .objectives import PolicyInputs
-from .segments import Segments
+from ..inputs.segments import Segments
 
 
 def apply(cfg: GSPOConfig, x: PolicyInputs, old, rollout, entropy, entropy_threshold):

@@ -1,7 +1,7 @@
 """The loss handed to autograd with its gradient already known.
 
 Stage 2 computes the loss and its two per-token coefficients g = dLoss/dlogp and
-h = dLoss/dH in one no-grad pass (sequence.py), instead of recording a graph for autograd to
+h = dLoss/dH in one no-grad pass (gspo_objective.py), instead of recording a graph for autograd to
 walk back: every recorded op would cost one or more ops again in backward, and on a GPU each
 op is a launch that a small micro-batch cannot hide. Backward then only scales g and h by the
 loss's upstream gradient, which the token-stats Function passes on to the one gradient kernel.

@@ -9,31 +9,9 @@ rows carry a one-hot term they must not have, at column 0. It is rewritten from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..backends.contract import LOG_FLOOR, GradInputs
-
-
-@dataclass(frozen=True)
-class VocabSlice:
-    """Columns [start, start + size) of the vocabulary."""
-
-    start: int
-    size: int
-
-    def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kernel targets, owned): ids made local, and column 0 for the rows whose target is
-        outside the slice, so that the kernels neither read outside it nor flag the row NaN."""
-        local = targets - self.start
-        owned = (local >= 0) & (local < self.size)
-        return torch.where(owned, local, torch.zeros_like(local)), owned
-
-
-def shard_targets(shard, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """local_targets of a tensor-parallel rank's slice (a distributed.VocabShard)."""
-    return VocabSlice(shard.vocab_start, shard.local_vocab).local_targets(targets)
 
 
 def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:

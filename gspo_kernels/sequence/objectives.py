@@ -5,8 +5,8 @@ Every function takes the same PolicyInputs (per-token tensors, zero outside the 
 detached) and the level's importance ratio, and returns a PolicyTerm: the per-token loss term
 (to be minimised, before any weighting or aggregation), its partial derivatives with respect to
 the ratio and to the token's own log-prob (None where one is identically zero), and the
-per-token flags that the clip metrics count. gradient.py chains the two derivatives back to the
-log-probs. Formulas and sources are in docs/semantics.md, "Objectives and corrections".
+per-token flags that the clip metrics count. gspo_objective.py chains the two back to the
+log-probs: the ratio's through the level's pull (ratio.py), the log-prob's as it is. Formulas and sources are in docs/semantics.md, "Objectives and corrections".
 
 Derivatives follow the rule of kinks.py at the kinks, which is autograd's for the same
 formula: a clamp passes the gradient strictly inside its bounds, and a tie in a minimum or
@@ -24,7 +24,7 @@ import torch
 
 from ..config import GSPOConfig
 from .kinks import at_either
-from .segments import Segments
+from ..inputs.segments import Segments
 
 
 @dataclass(frozen=True)

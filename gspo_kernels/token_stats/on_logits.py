@@ -15,10 +15,10 @@ from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
 from ..config import check_backend, check_temperature
-from ..distributed.vocab_parallel import VocabShard
-from ..stage2.inputs import TokenLayout, check_mask, check_targets
+from ..distributed.vocab_parallel import VocabSlice
+from ..inputs.checks import TokenLayout, check_mask, check_targets
 from .upstream import upstream_grads
-from .vocab_slice import shard_targets, slice_logits_grad
+from .slice_grad import slice_logits_grad
 
 
 class TokenStatsFunction(torch.autograd.Function):
@@ -32,19 +32,19 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool,
-                shard: VocabShard | None):
+                tp_slice: VocabSlice | None):
         backend = backends.get(backend_name)
         inv_temperature = 1.0 / temperature
         owned = None
-        if shard is not None:
-            targets, owned = shard_targets(shard, targets)
+        if tp_slice is not None:
+            targets, owned = tp_slice.local_targets(targets)
         logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
-        if shard is not None:
-            logp, entropy, lse = shard.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
+        if tp_slice is not None:
+            logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack: a detached alias
         # costs one op.
         ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned)
-        ctx.shard = shard
+        ctx.tp_slice = tp_slice
         ctx.inv_temperature = inv_temperature
         ctx.backend_name = backend_name
         ctx.inplace = inplace
@@ -61,7 +61,7 @@ class TokenStatsFunction(torch.autograd.Function):
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
         backend = backends.get(ctx.backend_name)
-        grad = slice_logits_grad(backend, logits, inputs, None if ctx.shard is None else owned,
+        grad = slice_logits_grad(backend, logits, inputs, None if ctx.tp_slice is None else owned,
                                  ctx.inplace and writable_in_place(logits))
         if grad is logits:
             # The saved logits now hold the gradient: a second backward must fail loudly.
@@ -70,11 +70,11 @@ class TokenStatsFunction(torch.autograd.Function):
 
 
 def token_stats(logits, targets, temperature: float, backend_name: str, inplace: bool = False,
-                row_mask: torch.Tensor | None = None, shard: VocabShard | None = None):
+                row_mask: torch.Tensor | None = None, tp_slice: VocabSlice | None = None):
     """Stage 1 with autograd: logp and entropy in float32 (float64 for float64 logits) of the
-    targets' shape (contiguous int64: the token shape or `[N]` rows). With a vocab shard the
+    targets' shape (contiguous int64: the token shape or `[N]` rows). With a vocab slice (tp_slice) the
     logits are this rank's slice and the results are the global ones."""
-    return TokenStatsFunction.apply(logits, targets, row_mask, temperature, backend_name, inplace, shard)
+    return TokenStatsFunction.apply(logits, targets, row_mask, temperature, backend_name, inplace, tp_slice)
 
 
 def selective_log_softmax(
@@ -115,6 +115,6 @@ def selective_log_softmax(
     targets = check_targets(target_ids, layout)
     row_mask = None if mask is None else check_mask(mask, layout)
     resolved = backends.resolve(backend, logits.device, logits.dtype)
-    shard = VocabShard.of(tp_group, vocab_start, logits.shape[-1])
-    logp, entropy = token_stats(logits, targets, temperature, resolved, inplace, row_mask, shard)
+    tp_slice = VocabSlice.of_rank(tp_group, vocab_start, logits.shape[-1])
+    logp, entropy = token_stats(logits, targets, temperature, resolved, inplace, row_mask, tp_slice)
     return (logp, entropy) if return_entropy else logp

@@ -30,7 +30,7 @@ import torch
 from . import corrections
 from ..config import GSPOConfig
 from .gradient import attach_gradient
-from .inputs import LossBatch
+from ..inputs.checks import LossBatch
 from .kl import kl_penalty
 from .objectives import PolicyInputs, gmpo_log_ratio, policy_term
 from .ratio import importance_ratio

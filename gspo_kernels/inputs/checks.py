@@ -1,16 +1,21 @@
-"""Checks the loss inputs once, before any kernel runs, and flattens them to per-row form.
+"""Checks every input of a loss call once, before any kernel runs, and gathers them in a
+LossBatch: per-token tensors of the token shape and the sequences (Segments).
 
 Shapes, dtypes and devices are checked on the host, which costs no host-device sync. The
 checks on values (cu_seqlens, an integer mask, a normalizer tensor) run on the host for CPU
 tensors (ValueError) and as asynchronous device-side asserts for GPU tensors, so the loss
 path never waits for the GPU: there a bad value stops the process with a CUDA device-side
 assert at the next synchronisation, naming the check.
+
+One module of over 300 lines: prepare_batch interleaves the per-tensor checks with the sequence
+layout that the advantages' check needs, and split in two each call went back and forth between
+the halves (farm-studio walk of gspo_loss's logits: 9 returns to a module against 3).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,18 +30,18 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 LOGPROB_DTYPES = (torch.float32, torch.float64)
 
 
-def _require_tensor(name: str, value) -> torch.Tensor:
+def require_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     return value
 
 
-def _require_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+def require_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but logits are on {device}; move it to {device}")
 
 
-def _require_shape(name: str, t: torch.Tensor, shape, what: str) -> None:
+def require_shape(name: str, t: torch.Tensor, shape, what: str) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}); got {tuple(t.shape)}")
 
@@ -64,7 +69,7 @@ class TokenLayout:
 
 
 def check_logits(logits) -> None:
-    _require_tensor("logits", logits)
+    require_tensor("logits", logits)
     if logits.dim() not in (2, 3):
         raise ValueError(
             f"logits must be (B, T, V) padded or (N, V) packed; got shape {tuple(logits.shape)}"
@@ -78,29 +83,29 @@ def check_logits(logits) -> None:
 def check_targets(target_ids, layout: TokenLayout) -> torch.Tensor:
     """Validates the targets against the layout; returns them as a contiguous int64 tensor of the
     token shape (the kernels read it as rows; no view to `[N]` to dispatch)."""
-    _require_tensor("target_ids", target_ids)
-    _require_shape("target_ids", target_ids, layout.shape, "the logits' shape without V")
+    require_tensor("target_ids", target_ids)
+    require_shape("target_ids", target_ids, layout.shape, "the logits' shape without V")
     if target_ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"target_ids must be int64 or int32; got {target_ids.dtype}")
-    _require_device("target_ids", target_ids, layout.device)
+    require_device("target_ids", target_ids, layout.device)
     return target_ids.to(torch.int64).contiguous()
 
 
-def _per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor | None:
+def per_token_logprobs(name: str, value, token_shape, device) -> torch.Tensor | None:
     if value is None:
         return None
-    t = _require_tensor(name, value)
-    _require_shape(name, t, token_shape, "one value per token, like target_ids")
+    t = require_tensor(name, value)
+    require_shape(name, t, token_shape, "one value per token, like target_ids")
     if t.dtype not in LOGPROB_DTYPES:
         raise TypeError(
             f"{name} must be float32 or float64; got {t.dtype}. 16-bit log-probs are too coarse "
             "for GSPO's ~3e-4 clip range: compute them in float32 (logits.float().log_softmax)."
         )
-    _require_device(name, t, device)
+    require_device(name, t, device)
     return t
 
 
-def _check_values(ok: torch.Tensor, message: str) -> None:
+def check_values(ok: torch.Tensor, message: str) -> None:
     """Raises ValueError(message) unless the 0-d bool tensor `ok` is true: on the host for a
     CPU tensor, as an asynchronous device-side assert on a GPU (and under torch.compile)."""
     if ok.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -117,18 +122,19 @@ def check_mask(value, layout: TokenLayout) -> torch.Tensor:
     token_shape, device = layout.shape, layout.device
     if value is None:
         return torch.ones(token_shape, dtype=torch.bool, device=device)
-    t = _require_tensor("mask", value)
-    _require_shape("mask", t, token_shape, "one flag per token, like target_ids")
+    t = require_tensor("mask", value)
+    require_shape("mask", t, token_shape, "one flag per token, like target_ids")
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise TypeError(
             f"mask must be bool or an integer 0/1 tensor; got {t.dtype}. Float masks are refused "
             "because a weight other than 0/1 would silently change the loss: pass mask.bool()."
         )
-    _require_device("mask", t, device)
+    require_device("mask", t, device)
     if t.dtype != torch.bool:
-        _check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
+        check_values(((t == 0) | (t == 1)).all(), "an integer mask must hold only 0 and 1")
         t = t != 0  # keeps the input's strides: a 1-D view stays strided
     return t.contiguous()
+
 
 
 def _check_cu_seqlens(cu: torch.Tensor, rows: int) -> bool:
@@ -157,7 +163,7 @@ def _segments(layout: TokenLayout, cu_seqlens, cp_group) -> Segments:
             "2-D logits are the packed layout (N, V) and need cu_seqlens (S+1,); "
             "for one padded batch pass (B, T, V)"
         )
-    cu = _require_tensor("cu_seqlens", cu_seqlens)
+    cu = require_tensor("cu_seqlens", cu_seqlens)
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 2 entries; got shape {tuple(cu.shape)}")
     if cu.dtype not in INDEX_DTYPES:
@@ -169,10 +175,10 @@ def _segments(layout: TokenLayout, cu_seqlens, cp_group) -> Segments:
 
 
 def _advantages(value, segments: Segments, token_shape, device) -> tuple[torch.Tensor, bool]:
-    t = _require_tensor("advantages", value)
+    t = require_tensor("advantages", value)
     if not t.dtype.is_floating_point:
         raise TypeError(f"advantages must be a float tensor; got {t.dtype}")
-    _require_device("advantages", t, device)
+    require_device("advantages", t, device)
     per_seq_shape = (segments.num_seqs,)
     if tuple(t.shape) == per_seq_shape:
         return t, False
@@ -190,9 +196,9 @@ def _normalizer(value, device):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"normalizer must be a scalar; got shape {tuple(value.shape)}")
-        _require_device("normalizer", value, device)
+        require_device("normalizer", value, device)
         value = value.reshape(())
-        _check_values((value > 0) & torch.isfinite(value), "normalizer must be finite and > 0")
+        check_values((value > 0) & torch.isfinite(value), "normalizer must be finite and > 0")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"normalizer must be a finite number > 0 or a scalar tensor; got {value!r}")
@@ -228,7 +234,7 @@ class LossBatch:
 
 
 def _rollout_logprobs(config: GSPOConfig, value, token_shape, device):
-    rollout = _per_token_logprobs("rollout_logprobs", value, token_shape, device)
+    rollout = per_token_logprobs("rollout_logprobs", value, token_shape, device)
     if config.rollout_correction is not None and rollout is None:
         raise ValueError(f"rollout_correction={config.rollout_correction!r} needs rollout_logprobs")
     if rollout is not None and config.rollout_correction is None and config.off_policy_mask_threshold is None:
@@ -245,7 +251,7 @@ def _entropy_threshold(config: GSPOConfig, value, device):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"entropy_threshold must be a scalar; got shape {tuple(value.shape)}")
-        _require_device("entropy_threshold", value, device)
+        require_device("entropy_threshold", value, device)
         return value.reshape(()).detach()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"entropy_threshold must be a float or a scalar tensor; got {type(value).__name__}")
@@ -255,11 +261,11 @@ def _entropy_threshold(config: GSPOConfig, value, device):
 def _token_weights(value, token_shape, device):
     if value is None:
         return None
-    t = _require_tensor("token_weights", value)
-    _require_shape("token_weights", t, token_shape, "one weight per token, like target_ids")
+    t = require_tensor("token_weights", value)
+    require_shape("token_weights", t, token_shape, "one weight per token, like target_ids")
     if not t.dtype.is_floating_point:
         raise TypeError(f"token_weights must be a float tensor; got {t.dtype}")
-    _require_device("token_weights", t, device)
+    require_device("token_weights", t, device)
     return t.detach()
 
 
@@ -276,20 +282,50 @@ def _check_context_parallel(config: GSPOConfig, cp_group, entropy_threshold, max
                          "only its part of the horizon")
 
 
-def prepare_batch(config: GSPOConfig, layout: TokenLayout, target_ids, old_logprobs, advantages, *,
-                  mask=None, cu_seqlens=None, ref_logprobs=None, normalizer=None, rollout_logprobs=None,
-                  entropy_threshold=None, cp_group=None, token_weights=None) -> LossBatch:
+@dataclass(frozen=True)
+class CallInputs:
+    """The per-call keywords of the entry points (gspo_loss, GSPOLoss, fused_linear_gspo_loss,
+    policy_loss) as the caller passed them, before any check: collected once at the public
+    signature and handed on whole. Every field is optional; docs/distributed.md holds the groups."""
+
+    mask: object = None
+    cu_seqlens: object = None
+    ref_logprobs: object = None
+    rollout_logprobs: object = None
+    normalizer: object = None
+    entropy_threshold: object = None
+    token_weights: object = None  # policy_loss only
+    cp_group: object = None
+    tp_group: object = None  # read by stage 1 (the vocab slice), not by prepare_batch
+    vocab_start: object = None
+
+    @staticmethod
+    def of(entry: str, keywords: dict, refused: tuple = ()) -> "CallInputs":
+        """CallInputs from an nn.Module's `**tensors`, with an error naming the keywords `entry`
+        takes for a misspelt or refused one."""
+        names = [f.name for f in fields(CallInputs) if f.name not in refused]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise TypeError(f"{entry} got unexpected keyword(s) {unknown}; its per-call keywords are "
+                            f"{', '.join(names)} (loss options go to its constructor)")
+        return CallInputs(**keywords)
+
+
+def prepare_batch(config: GSPOConfig, layout: TokenLayout, target_ids, old_logprobs, advantages,
+                  call: CallInputs) -> LossBatch:
     """Every per-call input checked against the token layout and flattened to rows.
-    target_ids: None where there are none (policy_loss takes log-probs). cp_group: the
+    target_ids: None where there are none (policy_loss takes log-probs). call.cp_group: the
     context-parallel group whose ranks hold the other parts of every sequence
     (docs/distributed.md), or None."""
+    mask, cu_seqlens, ref_logprobs, cp_group = call.mask, call.cu_seqlens, call.ref_logprobs, call.cp_group
+    entropy_threshold = call.entropy_threshold
     targets = None if target_ids is None else check_targets(target_ids, layout)
     device, token_shape = layout.device, layout.shape
     _check_context_parallel(config, cp_group, entropy_threshold,
                             config.loss_agg == "seq-mean-token-sum-norm" and config.max_len is None)
     segments = _segments(layout, cu_seqlens, cp_group)
     adv, adv_per_token = _advantages(advantages, segments, token_shape, device)
-    ref = _per_token_logprobs("ref_logprobs", ref_logprobs, token_shape, device)
+    ref = per_token_logprobs("ref_logprobs", ref_logprobs, token_shape, device)
     if config.beta > 0 and ref is None:
         raise ValueError("beta > 0 adds a KL penalty and needs ref_logprobs")
     horizon = config.max_len
@@ -301,15 +337,15 @@ def prepare_batch(config: GSPOConfig, layout: TokenLayout, target_ids, old_logpr
         targets=targets,
         token_shape=token_shape,
         mask=check_mask(mask, layout),
-        old_logprobs=_per_token_logprobs("old_logprobs", old_logprobs, token_shape, device),
+        old_logprobs=per_token_logprobs("old_logprobs", old_logprobs, token_shape, device),
         ref_logprobs=ref,
         advantages=adv,
         advantages_per_token=adv_per_token,
         segments=segments,
-        normalizer=_normalizer(normalizer, device),
+        normalizer=_normalizer(call.normalizer, device),
         horizon=horizon,
-        rollout_logprobs=_rollout_logprobs(config, rollout_logprobs, token_shape, device),
+        rollout_logprobs=_rollout_logprobs(config, call.rollout_logprobs, token_shape, device),
         entropy_threshold=_entropy_threshold(config, entropy_threshold, device),
-        token_weights=_token_weights(token_weights, token_shape, device),
+        token_weights=_token_weights(call.token_weights, token_shape, device),
         masked=mask is not None,
     )
