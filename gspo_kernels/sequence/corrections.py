@@ -67,7 +67,9 @@ def rollout_weights(cfg: GSPOConfig, seg: Segments, mask, length, old, rollout):
 
 def quantile_of_masked(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(values[mask], q) (linear interpolation), without the host sync that
-    boolean indexing costs: masked-out entries sort to the end and the rank is a tensor."""
+    boolean indexing costs: masked-out entries sort to the end and the rank is a tensor. NaN
+    when a masked-in value is NaN, as torch.quantile (and so TRL's top-entropy mask): sort puts
+    NaN after +inf, so the last entry tells."""
     values, mask = values.reshape(-1), mask.reshape(-1)
     if values.numel() == 0:
         return values.new_full((), float("inf"))
@@ -78,7 +80,8 @@ def quantile_of_masked(values: torch.Tensor, mask: torch.Tensor, q: float) -> to
     # gather with index tensors: indexing by a 0-d tensor would read it on the host.
     lo = ordered.gather(0, below.long().reshape(1)).squeeze(0)
     hi = ordered.gather(0, rank.ceil().long().reshape(1)).squeeze(0)
-    return lo + (hi - lo) * (rank - below)
+    value = lo + (hi - lo) * (rank - below)
+    return torch.where(torch.isnan(ordered[-1]), ordered[-1], value)
 
 
 def high_entropy_tokens(cfg: GSPOConfig, entropy, mask, threshold=None):

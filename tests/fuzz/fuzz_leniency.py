@@ -73,18 +73,6 @@ def poisoned_rows(built) -> torch.Tensor:
     return out
 
 
-def entropy_threshold_undefined(built) -> bool:
-    """This call's entropy quantile over response entropies one of which is NaN. The docs
-    ("the 1 - q quantile of the response tokens' entropies") leave it undefined. The
-    reference (as TRL, torch.quantile) makes the threshold NaN and drops every token's
-    policy term; the kernels leave NaN entropies out of the quantile and keep the top
-    tokens. The loss is NaN either way (a bad row is in the response), so the fuzz takes
-    either until the docs choose: entropy_kept_frac and the finite gradient values are
-    then not compared with the reference (their ranges and NaN placement still are)."""
-    return (built.options.get("top_entropy_quantile", 1.0) < 1.0 and built.entropy_threshold is None
-            and bool(torch.isnan(built.ent64[built.in_response]).any()))
-
-
 def log_prob_scale(built) -> float:
     """max |log-prob| over finite response rows: float32 log-probs are good to ~1e-7 of it
     in absolute terms, which exp(lp - old) turns into that much relative error."""

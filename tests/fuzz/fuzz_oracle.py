@@ -10,7 +10,7 @@
 - Ranges (docs/semantics.md, Metrics): fractions in [0, 1] when finite, entropy_mean >= 0,
   seq_ratio >= 0 and 0 only where the reference's underflows the output dtype.
 
-Where these bend (a NaN sequence, float32's range and precision, an undefined quantile), the
+Where these bend (a NaN sequence, float32's range and precision), the
 callers pass allowances from fuzz_leniency.py, each with its reason.
 """
 

@@ -12,7 +12,6 @@ logits, for policy_loss. An exception from the code under test on a valid input 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import replace
 
 import torch
@@ -24,7 +23,7 @@ from gspo_kernels.testing.verify import Tolerance
 
 from fuzz_build import Built, build
 from fuzz_case import FuzzCase
-from fuzz_leniency import (bad_rows, entropy_threshold_undefined, kl_precision, log_prob_scale, loss_precision,
+from fuzz_leniency import (bad_rows, kl_precision, log_prob_scale, loss_precision,
                            overflow_rows, poisoned_rows, precision_rows)
 from fuzz_oracle import check_ranges, check_zero_rows, compare, compare_metrics, loss_floor, stats_floor
 
@@ -171,8 +170,6 @@ def _check_loss_and_metrics(failures, built, loss, metrics, ref_loss, ref_metric
     d_lp = seen["lp"].grad if seen.get("lp") is not None else None
     compare(failures, "loss", loss, ref_loss, tol.loss, floor=loss_floor(built, built.options), allow_nan=poisoned,
             atol=loss_precision(built, d_lp))
-    if entropy_threshold_undefined(built):  # see fuzz_leniency
-        skip = tuple(skip) + ("entropy_kept_frac",)
     bad = bad_rows(built)
     if bad.any() and not torch.isnan(loss.detach()).item():
         failures.append(f"loss = {float(loss)!r} is finite though response rows {bad.nonzero().flatten()[:4].tolist()} "
@@ -218,8 +215,7 @@ def _compare_logits_grad(failures, built: Built, grad, ref_grad, tol, name="grad
     whole sequence NaN (Built.poisoned_rows); selective_log_softmax's rows stand alone."""
     rows, ref_rows = _rows_of(built.view(grad), built), _rows_of(built.view(ref_grad), built)
     allow = _row_allowance(built, rows) if per_sequence else None
-    limit = math.inf if per_sequence and entropy_threshold_undefined(built) else tol.grad
-    compare(failures, name, rows, ref_rows, limit, allow_nan=allow, atol=atol)
+    compare(failures, name, rows, ref_rows, tol.grad, allow_nan=allow, atol=atol)
     if zero_rows:
         check_zero_rows(failures, name, rows, built.in_response)
     outside = torch.ones(grad.shape, dtype=torch.bool)
@@ -262,7 +258,7 @@ def run_fused_linear(built: Built) -> list[str]:
     # A NaN row of d hidden (a bad row's sequence, or an overflowing one) is a NaN row of dz,
     # which reaches every entry of d weight and d bias through dz.T @ hidden.
     let_off = bool((poisoned_rows(built) | overflow_rows(built)).any())
-    limit = math.inf if entropy_threshold_undefined(built) else tol.grad
+    limit = tol.grad
     for name, g, rg in zip(("grad weight", "grad bias"), grads[1:], ref_grads[1:]):
         if g is not None:
             compare(failures, name, g, rg, limit, allow_nan=torch.full(g.shape, let_off), atol=atol[name])
@@ -308,7 +304,7 @@ def run_policy_loss(built: Built) -> list[str]:
     skip = () if case.return_entropy else ("entropy", "entropy_mean")
     _check_loss_and_metrics(failures, built, loss, metrics, ref_loss, ref_metrics, tol, seen, skip=skip)
     rows = _rows_of(chained, built)
-    limit = math.inf if entropy_threshold_undefined(built) else tol.grad
+    limit = tol.grad
     compare(failures, "grad logits (chained)", rows, _rows_of(ref_grad, built), limit,
             allow_nan=_row_allowance(built, rows), atol=atol)
     return failures
