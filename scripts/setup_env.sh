@@ -44,7 +44,7 @@ else
     echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes), then the trainers" >&2
     # wheel: deepspeed is an sdist, built (without isolation) against this torch.
     "$PY" -m pip install -q --disable-pip-version-check wheel setuptools
-    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,trl,verl,deepspeed]"
+    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,trl,verl,deepspeed,megatron]"
     "$PY" -m pip install -q --disable-pip-version-check --no-deps "$VERL_SPEC"
     echo "$WANT" > "$STAMP"
 fi
