@@ -59,14 +59,14 @@ def _batch_first(logits: torch.Tensor, sequence_first: bool, packed: bool) -> to
     return rows[0]
 
 
-def _packed_tokens(value):
+def packed_tokens(value):
     """A packed per-token input as `[t]`: Megatron's `[1, t]` or `[t]`."""
     if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1:
         return value[0]
     return value
 
 
-def _response_mask(loss_mask):
+def response_mask(loss_mask):
     """Megatron's loss mask (float 0/1, or bool) as a bool mask; a weight other than 0 and 1
     is refused, since the loss would silently treat it as 1 (on the host for a CPU tensor, by an
     asynchronous device-side assert on a GPU: no sync)."""
@@ -87,9 +87,9 @@ def token_logprobs(logits, labels, *, sequence_first: bool = True, packed: bool 
     get an exact zero gradient and are not read in backward."""
     tp_group, _ = megatron_groups(tp_group, None)
     rows = _batch_first(logits, sequence_first, packed)
-    mask = _response_mask(loss_mask)
+    mask = response_mask(loss_mask)
     if packed:
-        labels, mask = _packed_tokens(labels), _packed_tokens(mask)
+        labels, mask = packed_tokens(labels), packed_tokens(mask)
     return selective_log_softmax(rows, labels, temperature, return_entropy, backend=backend, mask=mask,
                                  tp_group=tp_group)
 
@@ -104,11 +104,11 @@ def gspo_loss(logits, labels, old_logprobs, advantages, *, loss_mask=None, seque
     tp_group, cp_group = megatron_groups(tp_group, cp_group)
     packed = cu_seqlens is not None
     rows = _batch_first(logits, sequence_first, packed)
-    mask = _response_mask(loss_mask)
+    mask = response_mask(loss_mask)
     if packed:
-        labels, old_logprobs, mask, advantages = (_packed_tokens(v) for v in (labels, old_logprobs, mask, advantages))
+        labels, old_logprobs, mask, advantages = (packed_tokens(v) for v in (labels, old_logprobs, mask, advantages))
         for key in ("ref_logprobs", "rollout_logprobs"):
             if key in per_call_and_options:
-                per_call_and_options[key] = _packed_tokens(per_call_and_options[key])
+                per_call_and_options[key] = packed_tokens(per_call_and_options[key])
     return _gspo_loss(rows, labels, old_logprobs, advantages, mask=mask, cu_seqlens=cu_seqlens, tp_group=tp_group,
                       cp_group=cp_group, **per_call_and_options)
