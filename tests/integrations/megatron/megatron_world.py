@@ -1,10 +1,14 @@
 """Megatron-Core's model-parallel state on gloo processes (tensor parallel 2), for the
 megatron tests: each worker joins the world (trainer_world), initialises
 megatron.core.parallel_state as a Megatron trainer does, runs its checks and hands rank 0's
-result back. megatron-core 0.16.1 runs this on CPU tensors as it is: nothing is replaced."""
+result back. megatron-core 0.16.1's parallel_state, tensor-parallel layers and cross entropy run on
+CPU tensors as they are; its GPTModel needs cpu_megatron()."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.distributed as dist
 
 from trainer_world import join, leave
@@ -23,3 +27,23 @@ def megatron_worker(rank, port, out, world, tp, body):
     finally:
         parallel_state.destroy_model_parallel()
     leave(rank, out, result)
+
+
+def cpu_megatron() -> None:
+    """Replaces, in this test process only, the CUDA-only calls a tiny megatron-core 0.16.1
+    GPTModel meets on a CPU (each raises "Found no NVIDIA driver" as it is): the causal mask
+    that megatron/core/transformer/utils.py builds on device="cuda" (and fused_softmax.py's
+    import of it), the CUDA RNG tracker's fork around dropout (the tests use no dropout), and
+    torch.cuda.current_device, which megatron/core/utils.py's global buffer allocates on.
+    model_parallel_cuda_manual_seed is not called: use_cpu_initialization initialises the
+    weights from the CPU generator. gspo_kernels replaces none of these."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+    from megatron.core import tensor_parallel
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    transformer_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = causal_mask
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
