@@ -14,14 +14,14 @@ import torch.distributed as dist
 from trainer_world import join, leave
 
 
-def megatron_worker(rank, port, out, world, tp, body):
+def megatron_worker(rank, port, out, world, tp, body, cp=1):
     """`body(rank)` -> a JSON-able result, inside a world of `world` ranks with megatron's
-    tensor-parallel size `tp`."""
+    tensor-parallel size `tp` and context-parallel size `cp`."""
     join(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     try:
         result = body(rank)
     finally:
