@@ -124,7 +124,8 @@ def _gmpo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
     # Zero outside the response, like every other objective's derivatives (stage 2 relies on it).
     seq_adv = torch.where(x.mask, -seg.per_row(seg.seq_sum(x.adv) / x.length), x.mask)
     # The log-ratio is 0 outside the response, inside [-eps_low, eps_high]: never changed there.
-    changed = x.log_ratio != x.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+    # Two compares, not `!= clamp`: a NaN log-ratio fails both and is never counted as clipped.
+    changed = (x.log_ratio < -cfg.eps_low) | (x.log_ratio > cfg.eps_high)
     return PolicyTerm(seq_adv * ratio, seq_adv, None, changed & (x.adv < 0), changed & (x.adv > 0))
 
 

@@ -55,6 +55,11 @@ def _kl(logp, ref_logp, estimator, clamp=None):
     return kl if clamp is None else _clamp(kl, (-clamp, clamp))
 
 
+def _quantile(values, q):
+    """torch.quantile, NaN over no value at all (no response token: nothing to select)."""
+    return torch.quantile(values, q) if values.numel() else values.new_full((), float("nan"))
+
+
 def _clamp(x, bounds):
     """clamp(x) whose gradient passes strictly inside the bounds only: the rule at a kink that
     stage 2 follows (docs/semantics.md, "Ties and bounds"), spelled out because autograd's
@@ -104,7 +109,8 @@ def _policy_terms(cfg, lp, log_ratio, ratio, a):
         return lp * 0, torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool)
     seq_ratio = torch.exp(_clamp(pessimistic.mean(), cfg.log_ratio_clamp))
     term = (-a.mean() * seq_ratio).expand(len(lp))
-    changed = log_ratio.detach() != clipped_lr.detach()
+    lr = log_ratio.detach()
+    changed = (lr < -cfg.eps_low) | (lr > cfg.eps_high)  # a NaN log-ratio is never clipped
     return term, changed & (a < 0), changed & (a > 0)
 
 
@@ -128,6 +134,11 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
     """Same signature and meaning as gspo_kernels.gspo_loss; backend and inplace are ignored.
 
     Returns a float64 loss (differentiable w.r.t. logits) and float64 metrics.
+
+    One function on purpose: it reads top to bottom as the formulas of docs/semantics.md, one
+    sequence at a time (ratio, policy term, corrections, KL, entropy), with plain autograd for
+    the gradient, so that it can be checked against the docs line by line; only the aggregation
+    and the metrics, which read the finished per-sequence terms, live apart.
     """
     cfg = config if config is not None else GSPOConfig(**options)
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
@@ -146,7 +157,7 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
     # Top-entropy selection: the quantile of every response token's entropy in this call.
     threshold = None
     if cfg.top_entropy_quantile < 1.0:
-        threshold = (torch.quantile(entropy.detach()[in_response], 1 - cfg.top_entropy_quantile)
+        threshold = (_quantile(entropy.detach()[in_response], 1 - cfg.top_entropy_quantile)
                      if entropy_threshold is None else torch.as_tensor(entropy_threshold, dtype=torch.float64))
 
     seq_terms, seq_ratios = [], []
@@ -201,51 +212,66 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
         high_flags.append(high)
         entropies.append(entropy[idx])
 
+    horizon = cfg.max_len if cfg.max_len is not None else logits.shape[1]
+    loss = _aggregate(cfg, seq_terms, normalizer, horizon, logp.new_zeros(()))
+    flags = dict(low=low_flags, high=high_flags, entropies=entropies, kls=kls, weights=weights_all,
+                 rejected=rejected_all, kept_entropy=kept_entropy, kept_on_policy=kept_on_policy)
+    return loss, _metrics(cfg, logp, entropy, target_ids.shape, seq_ratios, flags, ref is not None)
+
+
+def _aggregate(cfg, seq_terms, normalizer, horizon, zero):
+    """The loss from each sequence's per-token terms, by cfg.loss_agg (docs/semantics.md)."""
     nonempty = [t for t in seq_terms if len(t)]
     n_tokens = sum(len(t) for t in seq_terms)
     norm = float(normalizer) if normalizer is not None else None
-    zero = torch.zeros((), dtype=torch.float64, device=logp.device)
     if cfg.loss_agg in ("token-mean", "token-sum"):
         total = sum(t.sum() for t in nonempty) if nonempty else zero
-        loss = total / (norm or (max(n_tokens, 1) if cfg.loss_agg == "token-mean" else 1.0))
+        return total / (norm or (max(n_tokens, 1) if cfg.loss_agg == "token-mean" else 1.0))
+    if cfg.loss_agg == "seq-mean-token-mean":
+        per_seq = [t.mean() for t in nonempty]
+    elif cfg.loss_agg == "seq-mean-token-sum":
+        per_seq = [t.sum() for t in nonempty]
     else:
-        if cfg.loss_agg == "seq-mean-token-mean":
-            per_seq = [t.mean() for t in nonempty]
-        elif cfg.loss_agg == "seq-mean-token-sum":
-            per_seq = [t.sum() for t in nonempty]
-        else:
-            horizon = cfg.max_len if cfg.max_len is not None else logits.shape[1]
-            per_seq = [t.sum() / horizon for t in nonempty]
-        total = sum(per_seq) if per_seq else zero
-        loss = total / (norm or max(len(nonempty), 1))
+        per_seq = [t.sum() / max(horizon, 1) for t in nonempty]
+    total = sum(per_seq) if per_seq else zero
+    return total / (norm or max(len(nonempty), 1))
 
-    denom = max(n_tokens, 1)
-    low, high = torch.cat(low_flags), torch.cat(high_flags)
 
-    def seq_share(flags):
-        shares = [f.double().mean() for f in flags if len(f)]
+def _cat(parts, dtype):
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _metrics(cfg, logp, entropy, token_shape, seq_ratios, flags, with_kl: bool):
+    """The metrics of gspo_kernels.gspo_loss (means over response tokens), from each sequence's
+    flags and values."""
+    zero = torch.zeros((), dtype=torch.float64)
+    low, high = _cat(flags["low"], torch.bool), _cat(flags["high"], torch.bool)
+    denom = max(len(low), 1)
+
+    def seq_share(per_seq):
+        shares = [f.double().mean() for f in per_seq if len(f)]
         return sum(shares) / max(len(shares), 1) if shares else zero
 
     metrics = {
-        "token_logprobs": logp.detach().reshape(target_ids.shape),
-        "entropy": entropy.detach().reshape(target_ids.shape),
-        "seq_ratio": torch.stack(seq_ratios).detach(),
+        "token_logprobs": logp.detach().reshape(token_shape),
+        "entropy": entropy.detach().reshape(token_shape),
+        "seq_ratio": torch.stack(seq_ratios).detach() if seq_ratios else torch.zeros(0, dtype=torch.float64),
         "clip_frac": (low | high).sum().double() / denom,
         "clip_frac_low": low.sum().double() / denom,
         "clip_frac_high": high.sum().double() / denom,
-        "seq_clip_frac_low": torch.as_tensor(seq_share(low_flags), dtype=torch.float64),
-        "seq_clip_frac_high": torch.as_tensor(seq_share(high_flags), dtype=torch.float64),
-        "entropy_mean": torch.cat(entropies).detach().sum() / denom,
+        "seq_clip_frac_low": torch.as_tensor(seq_share(flags["low"]), dtype=torch.float64),
+        "seq_clip_frac_high": torch.as_tensor(seq_share(flags["high"]), dtype=torch.float64),
+        "entropy_mean": _cat(flags["entropies"], torch.float64).detach().sum() / denom,
     }
-    if ref is not None:
-        metrics["kl"] = torch.cat(kls).detach().sum() / denom
-    if weights_all:
-        w = torch.cat(weights_all).detach()
+    if with_kl:
+        metrics["kl"] = _cat(flags["kls"], torch.float64).detach().sum() / denom
+    if cfg.rollout_correction is not None:
+        w = _cat(flags["weights"], torch.float64).detach()
         metrics["rollout_is_mean"] = w.sum() / denom
         metrics["rollout_is_max"] = w.max() if len(w) else zero
-        metrics["rollout_masked_frac"] = torch.cat(rejected_all).sum().double() / denom
-    if kept_entropy:
-        metrics["entropy_kept_frac"] = torch.cat(kept_entropy).sum().double() / denom
-    if kept_on_policy:
-        metrics["off_policy_masked_frac"] = (~torch.cat(kept_on_policy)).sum().double() / denom
-    return loss, metrics
+        metrics["rollout_masked_frac"] = _cat(flags["rejected"], torch.bool).sum().double() / denom
+    if cfg.top_entropy_quantile < 1.0:
+        metrics["entropy_kept_frac"] = _cat(flags["kept_entropy"], torch.bool).sum().double() / denom
+    if cfg.off_policy_mask_threshold is not None:
+        metrics["off_policy_masked_frac"] = (~_cat(flags["kept_on_policy"], torch.bool)).sum().double() / denom
+    return metrics

@@ -82,36 +82,9 @@ def _check_untouched(failures: list, built: Built, before: dict) -> None:
             failures.append(f"{name} was modified by the call")
 
 
-def _empty_batch_reference(built: Built, logits64, opts: dict):
-    """What reference.gspo_loss's formulas give for a padded batch of B = 0 (it raises there, in
-    `torch.cat` of no sequences): the zero loss and zero fractions it gives any empty response."""
-    zero = torch.zeros((), dtype=torch.float64)
-    metrics = {"token_logprobs": torch.zeros(built.token_shape, dtype=torch.float64),
-               "entropy": torch.zeros(built.token_shape, dtype=torch.float64),
-               "seq_ratio": torch.zeros(0, dtype=torch.float64), "entropy_mean": zero}
-    for name in ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac_low", "seq_clip_frac_high"):
-        metrics[name] = zero
-    if built.ref is not None:
-        metrics["kl"] = zero
-    if opts.get("rollout_correction") is not None:
-        metrics.update(rollout_is_mean=zero, rollout_is_max=zero, rollout_masked_frac=zero)
-    if opts.get("top_entropy_quantile", 1.0) < 1.0:
-        metrics["entropy_kept_frac"] = zero
-    if opts.get("off_policy_mask_threshold") is not None:
-        metrics["off_policy_masked_frac"] = zero
-    return logits64.sum() * 0.0, metrics
-
-
 def _reference_loss(built: Built, logits64, opts: dict):
     ref_opts = {k: v for k, v in opts.items() if k != "backend"}
-    if not built.case.packed and built.token_shape[0] == 0:
-        return _empty_batch_reference(built, logits64, ref_opts)
     kwargs = built.call_kwargs()
-    if ref_opts.get("top_entropy_quantile", 1.0) < 1.0 and "entropy_threshold" not in kwargs \
-            and not built.in_response.any():
-        # The reference's torch.quantile raises on no response token at all; with no token to
-        # select, any threshold gives what its formulas give (nothing kept, nothing added).
-        kwargs["entropy_threshold"] = 0.0
     try:
         return reference.gspo_loss(logits64, built.targets, built.old, built.advantages, **kwargs, **ref_opts)
     except Exception as exc:  # say whose exception it is: the reference's, not the code under test's

@@ -156,6 +156,22 @@ def test_clip_metrics_never_count_nan_ratios_or_padding(backend, level):
         assert abs(value - float(ref_metrics[name])) < 1e-6, (name, value, float(ref_metrics[name]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gmpo_clip_metrics_never_count_a_nan_log_ratio(backend):
+    """GMPO's flags once compared the log-ratio with its clamp, and NaN != NaN: a NaN row counted."""
+    device = device_for(backend)
+    logits, ids, adv = _problem(device)
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0]
+    logits[0, 1, 2] = float("nan")  # a NaN log-ratio in sequence 0 (A > 0)
+    old = lp + torch.randn(B, T, device=device) * 0.01
+    old[2] = old[2] - 1.0  # sequence 2's log-ratios far above eps_high: clipped (A > 0)
+    (_, metrics, _), (_, ref_metrics, _) = run_with_reference(backend, logits, ids, old, adv, objective="gmpo",
+                                                              eps_low=0.4, eps_high=0.4)
+    assert float(ref_metrics["clip_frac_high"]) == pytest.approx(1 / 3)  # sequence 2 only
+    for name in ("clip_frac", "clip_frac_low", "clip_frac_high"):
+        assert abs(float(metrics[name]) - float(ref_metrics[name])) < 1e-6, (name, float(metrics[name]))
+
+
 @pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_overflowing_ratio_with_open_clamp_leaves_padding_out(backend, level):
