@@ -118,29 +118,18 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
     if need_b:
         d_bias = torch.empty_like(bias)
     rows_mm = None
-    for cols in columns:
-        ops = Operands(weight[cols], None if bias is None else bias[cols])
-        products = ops if blocks is None else RowBlockProducts(ops, blocks)
-        if rows_mm is None:
-            rows_mm = ops.rows(hidden)  # upcast once (CPU), not once per block
-            if need_h:
-                d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
-        local, in_block = VocabSlice(cols.start, cols.stop - cols.start).local_targets(saved.inputs.targets)
-        owned = in_block if saved.owned is None else in_block & saved.owned
-        inputs = replace(saved.inputs, targets=local)
-        if len(groups) == 1:  # every row at once: each gradient block is one product, written once
+
+    def block_grads(ops, products, inputs, owned):
+        """This column block's (d weight, d bias), its d hidden added in place. Over every row at
+        once each is one product, written once; over groups of rows, summed in float32 in order."""
+        if len(groups) == 1:
             dz = _block_grad(backend, products, rows_mm, inputs, owned)
-            if need_w:
-                d_weight[cols] = ops.weight_grad(dz, hidden, rows_mm)
-            if need_b:
-                d_bias[cols] = dz.sum(0)
             if need_h:
                 products.add_hidden_grad(d_hidden, dz)
-            continue
-        # Groups of rows: the block's d weight and d bias summed over them in float32, in order.
-        weight_sum = torch.zeros(cols.stop - cols.start, weight.shape[1], dtype=ops.accum_dtype,
-                                 device=weight.device) if need_w else None
-        bias_sum = torch.zeros(cols.stop - cols.start, dtype=ops.accum_dtype, device=weight.device) if need_b else None
+            return (ops.weight_grad(dz, hidden, rows_mm) if need_w else None), (dz.sum(0) if need_b else None)
+        block_width = ops.weight16.shape[0]
+        weight_sum = torch.zeros(block_width, weight.shape[1], dtype=ops.accum_dtype, device=weight.device) if need_w else None
+        bias_sum = torch.zeros(block_width, dtype=ops.accum_dtype, device=weight.device) if need_b else None
         for part in groups:
             dz = _block_grad(backend, products, rows_mm[part], inputs.rows(part), owned[part])
             if need_w:
@@ -149,8 +138,20 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
                 bias_sum += dz.sum(0)
             if need_h:
                 products.add_hidden_grad(d_hidden[part], dz)
+        return weight_sum, bias_sum
+
+    for cols in columns:
+        ops = Operands(weight[cols], None if bias is None else bias[cols])
+        if rows_mm is None:
+            rows_mm = ops.rows(hidden)  # upcast once (CPU), not once per block
+            if need_h:
+                d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
+        local, in_block = VocabSlice(cols.start, cols.stop - cols.start).local_targets(saved.inputs.targets)
+        owned = in_block if saved.owned is None else in_block & saved.owned
+        products = ops if blocks is None else RowBlockProducts(ops, blocks)
+        d_w, d_b = block_grads(ops, products, replace(saved.inputs, targets=local), owned)
         if need_w:
-            d_weight[cols] = weight_sum
+            d_weight[cols] = d_w
         if need_b:
-            d_bias[cols] = bias_sum
+            d_bias[cols] = d_b
     return d_hidden, d_weight, d_bias

@@ -99,6 +99,8 @@ def _kl_term(config: GSPOConfig, logp, ref_logp, ratio, response_only):
     return corrected, _Term(beta * kl, beta * d_kl, None)
 
 
+# Derivatives that are identically zero are None, not zero tensors: each tensor would cost ops
+# on every call (a small micro-batch's host time is its op count). These two treat None as 0.
 def _times(x, weight):
     return x if weight is None or x is None else x * weight
 
@@ -107,19 +109,27 @@ def _plus(x, y):
     return y if x is None else x if y is None else x + y
 
 
-def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
+class _ResponseOnly:
+    """x in the loss's dtype with every row outside the response set to 0: a NaN from a padding
+    row (e.g. an out-of-range pad id) would otherwise reach the loss or the gradient through
+    0 * NaN. The mask is its own zero there (False promotes to 0.0): no zero tensor to make.
+    Without a mask every row is in the response: nothing to zero, only a per-sequence value to
+    broadcast."""
+
+    def __init__(self, batch: LossBatch, dtype: torch.dtype):
+        self.mask, self.masked, self.dtype = batch.mask, batch.masked, dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        if self.masked:
+            return torch.where(self.mask, x, self.mask)
+        return x if x.shape == self.mask.shape else x.expand(self.mask.shape)
+
+
+def _policy_inputs(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, response_only: _ResponseOnly):
+    """(PolicyInputs, the old log-probs where a correction reads them, the counts, the mean
+    log-ratio of each sequence): what every objective and correction reads."""
     dtype, mask, seg = logp.dtype, batch.mask, batch.segments
-
-    # Zero every per-token input outside the response first: a NaN from a padding row (e.g. an
-    # out-of-range pad id) would otherwise reach the loss or the gradient through 0 * NaN. The
-    # mask is its own zero there (False promotes to 0.0): no zero tensor to make. Without a mask
-    # every row is in the response: nothing to zero, only a per-sequence value to broadcast.
-    def response_only(x):
-        x = x.to(dtype)
-        if batch.masked:
-            return torch.where(mask, x, mask)
-        return x if x.shape == mask.shape else x.expand(mask.shape)
-
     needs_logp = config.objective in ("cispo", "vespo") or config.level == "sequence_token" or \
         batch.ref_logprobs is not None or config.off_policy_mask_threshold is not None
     logp_r = response_only(logp) if needs_logp else None
@@ -138,10 +148,14 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     counts = _counts(tokens_per_seq)
     adv = batch.advantages.to(dtype)
     adv = response_only(adv if batch.advantages_per_token else seg.per_row(adv))
-    x = PolicyInputs(logp_r, log_ratio, adv, mask, seg, counts.length, counts.n_tokens,
-                     config.log_ratio_clamp)
+    x = PolicyInputs(logp_r, log_ratio, adv, mask, seg, counts.length, counts.n_tokens, config.log_ratio_clamp)
+    return x, old, counts, seq_log_ratio_sum / counts.length
 
-    seq_log_ratio = seq_log_ratio_sum / counts.length
+
+def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
+    """(the weighted per-token loss terms, g = dLoss/dlogp, h = dLoss/dH or None, metrics)."""
+    response_only = _ResponseOnly(batch, logp.dtype)
+    x, old, counts, seq_log_ratio = _policy_inputs(config, batch, logp, response_only)
     ratio = importance_ratio(config.level, x, seq_log_ratio)
     # GMPO's ratio is its own geometric mean; the KL's bias correction keeps the level's.
     policy_ratio = importance_ratio(config.level, x, seq_log_ratio, gmpo_log_ratio(config, x)) \
@@ -158,7 +172,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     d_ratio = None if policy_ratio is not ratio else d_policy_ratio
     kl = None
     if batch.ref_logprobs is not None:
-        kl, penalty = _kl_term(config, logp_r, response_only(batch.ref_logprobs), ratio.value, response_only)
+        kl, penalty = _kl_term(config, x.logp, response_only(batch.ref_logprobs), ratio.value, response_only)
         if penalty is not None:
             per_token, d_logp, d_ratio = per_token + penalty.value, _plus(d_logp, penalty.d_logp), \
                 _plus(d_ratio, penalty.d_ratio)
@@ -168,7 +182,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     w = _aggregation_weight(config, batch, counts)
     # W per row, not masked: every derivative above is 0 outside the response (A, the log-ratio
     # and the corrections' weights are), and the where below keeps the terms' values out.
-    w_row = seg.per_row(w) if isinstance(w, torch.Tensor) and w.dim() else w
+    w_row = batch.segments.per_row(w) if isinstance(w, torch.Tensor) and w.dim() else w
     g = _times(d_logp, w_row)
     if d_ratio is not None:
         g = _plus(g, ratio.pull(x, w_row * d_ratio))
@@ -177,7 +191,8 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     g = response_only(g)
     h = None
     if config.entropy_coef != 0.0:  # a number W times the mask in the loss's dtype (not float32)
-        h = (mask * w_row if isinstance(w_row, torch.Tensor) else mask.to(dtype) * w_row) * -config.entropy_coef
+        mask = batch.mask
+        h = (mask * w_row if isinstance(w_row, torch.Tensor) else mask.to(logp.dtype) * w_row) * -config.entropy_coef
     # With the default aggregation W is each token's share in a mean of sequence means.
     share = w_row if w is counts.seq_share else None
     metrics = _metrics(batch, term, ratio.seq_ratio, entropy_r, kl, counts, share)

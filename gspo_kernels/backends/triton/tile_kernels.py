@@ -14,6 +14,12 @@ no row's target and no NaN row) skips both products; FILTER=False turns it off. 
 through `row_mask`; a row whose lse is not finite (no softmax, or a target no rank holds, set
 by the caller) gets NaN; a target < 0 adds no one-hot term (vocab-parallel: the target lives
 on another rank).
+
+_grad_tile takes its 26 arguments one by one and each of the three backward kernels passes them
+on the same way: a @triton.jit function takes only tensors (pointers), scalars and constexprs,
+so they cannot travel as one config object; Triton's tuples of arguments would need triton >=
+3.2 on both the GPU machine (3.6) and here (3.8) and a re-tuned launch, for no change in the
+generated code.
 """
 
 import triton
