@@ -17,9 +17,9 @@ on another rank).
 
 _grad_tile takes its 26 arguments one by one and each of the three backward kernels passes them
 on the same way: a @triton.jit function takes only tensors (pointers), scalars and constexprs,
-so they cannot travel as one config object; Triton's tuples of arguments would need triton >=
-3.2 on both the GPU machine (3.6) and here (3.8) and a re-tuned launch, for no change in the
-generated code.
+so they cannot travel as one config object. Grouping them would lean on tuple arguments of
+newer Triton releases, untested on the two this code runs on (3.6 on the GPU machine, 3.8
+here), for no change in the generated code.
 """
 
 import triton
