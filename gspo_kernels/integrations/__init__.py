@@ -1,4 +1,6 @@
-"""Drop-ins for the trainers GSPO users run: `integrations.trl` (TRL's GRPOTrainer) and
-`integrations.verl` (verl's policy-loss registry and actor log-probs). Each module imports its
-trainer, so import the one you use: `from gspo_kernels.integrations.trl import GRPOTrainer`.
-Install their pinned versions with `pip install -e .[integrations]`."""
+"""Drop-ins for the trainers GSPO users run: `integrations.trl` (TRL's GRPOTrainer),
+`integrations.verl` (verl's policy-loss registry and actor log-probs) and
+`integrations.megatron` (Megatron-Core's vocab-parallel logits and output layer, slime's custom
+loss). Each package imports its trainer, so import the one you use:
+`from gspo_kernels.integrations.trl import GRPOTrainer`. Install their pinned versions with
+`pip install -e .[integrations]`."""

@@ -1,0 +1,89 @@
+"""`+actor_rollout_ref.model.fused_kernel_options.batch_invariant=true`: verl hands its model
+patch only `impl_backend`, so verl's FSDPEngine._build_module is wrapped to hand the model it
+builds a LinearConfig (linear_config). The engine module is wrapped when verl imports it, by a
+one-shot import hook: importing it here would fix verl's device platform too early."""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+
+from ...config import LinearConfig
+from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, forward_with_gspo_kernels
+
+_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+
+def linear_config(model_config) -> LinearConfig | None:
+    """The LinearConfig that verl's model config asks for through
+    `fused_kernel_options.batch_invariant` (None when the key is absent). TypeError for a value
+    that is not a bool; ValueError for batch_invariant=True without this fused forward
+    (use_fused_kernels=True and impl_backend=gspo_kernels), which it would never reach."""
+    options = getattr(model_config, "fused_kernel_options", None) or {}
+    if "batch_invariant" not in options:
+        return None
+    value = options["batch_invariant"]
+    if not isinstance(value, bool):
+        raise TypeError(f"fused_kernel_options.batch_invariant must be true or false; got {value!r}")
+    if value and not (getattr(model_config, "use_fused_kernels", False) and options.get("impl_backend") == BACKEND):
+        raise ValueError("fused_kernel_options.batch_invariant=True is an option of gspo_kernels' fused forward: set "
+                         f"use_fused_kernels=True and fused_kernel_options.impl_backend={BACKEND}")
+    return LinearConfig(batch_invariant=value)
+
+
+def _with_linear_options(build):
+    """verl's FSDPEngine._build_module, which reads fused_kernel_options and patches the model's
+    forward, followed by handing linear_config's LinearConfig to the model it built: an instance
+    attribute, which the forward reads off `self` (FSDP2's fully_shard wraps that instance in
+    place, changing its class only)."""
+    @functools.wraps(build)
+    def _build_module(self):
+        linear = linear_config(self.model_config)  # a bad value fails before the weights load
+        module = build(self)
+        if linear is not None:
+            if linear.batch_invariant and type(module).forward is not forward_with_gspo_kernels:
+                raise ValueError(f"fused_kernel_options.batch_invariant=True: {type(module).__name__} runs verl's own "
+                                 "forward (see the warning above), which the option does not reach")
+            setattr(module, LINEAR_ATTRIBUTE, linear)
+        return module
+
+    _build_module.gspo_kernels = True
+    return _build_module
+
+
+def _hook_engine(engine_module) -> None:
+    engine = getattr(engine_module, "FSDPEngine", None)
+    if engine is not None and not getattr(engine._build_module, "gspo_kernels", False):
+        engine._build_module = _with_linear_options(engine._build_module)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` once `name` has been imported, by whoever imports it. The engine is
+    not imported here: this module runs inside `import verl` (VERL_USE_EXTERNAL_MODULES), and the
+    engine's import picks verl's device platform, before a caller could register its own."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; the search below then finds the module as it would have
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            exec_module = spec.loader.exec_module
+
+            def exec_then(module):
+                exec_module(module)
+                self.then(module)
+
+            spec.loader.exec_module = exec_then
+        return spec
+
+
+if _ENGINE_MODULE in sys.modules:
+    _hook_engine(sys.modules[_ENGINE_MODULE])
+elif not any(isinstance(f, _AfterImport) and f.name == _ENGINE_MODULE for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImport(_ENGINE_MODULE, _hook_engine))

@@ -1,0 +1,42 @@
+"""The fused log-prob + entropy forward verl's actor runs with `use_fused_kernels=True` and
+`fused_kernel_options.impl_backend=gspo_kernels`: the backbone, then the fused-linear token stats
+on the hidden states and the lm_head weight (through the head's own call), returned as verl's
+CausalLMOutputForPPO. No logits."""
+
+from __future__ import annotations
+
+import torch
+from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
+
+from ..head import head_token_stats
+
+BACKEND = "gspo_kernels"
+LINEAR_ATTRIBUTE = "gspo_kernels_linear"  # the LinearConfig a built model's fused forward runs with
+
+
+def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                              inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                              output_hidden_states=None, return_dict=None, cache_position=None, logits_to_keep=0,
+                              temperature: float = 1.0, shift_labels=None, **loss_kwargs):
+    """verl's fused forward contract (the same arguments as its torch and triton backends):
+    per-token log-probs of the next token and entropies, from the hidden states and the
+    lm_head weight, with no logits."""
+    outputs = forward_base_model(self, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=past_key_values,
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                 cache_position=cache_position)
+    if shift_labels is not None:
+        targets = shift_labels
+    elif labels is not None:
+        targets = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        targets = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise RuntimeError("forward_with_gspo_kernels needs labels, shift_labels or input_ids")
+    # Through the head's own call: under FSDP2 verl wraps an untied lm_head as its own unit.
+    hidden = outputs[0]
+    log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype,
+                                          linear=getattr(self, LINEAR_ATTRIBUTE, None))
+    return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
+                                hidden_states=outputs.hidden_states, attentions=outputs.attentions)
