@@ -2,6 +2,7 @@
 V = 1000 split over 2 gloo ranks, against the float64 log-softmax of the same float32 logits.
 Run: python benchmarks/cpu/tp_precision_probe.py (about 20 s on 2 cores)."""
 import os
+import sys
 import tempfile
 
 import torch
@@ -29,6 +30,8 @@ def worker(rank, init, scale):
     if rank == 0:
         print(f"scale {scale:g}: tp logp err {(lp.double()-ref_lp).abs().max():.2e} entropy err {(h.double()-ref_h).abs().max():.2e} | one process logp err {(lp1.double()-ref_lp).abs().max():.2e} entropy err {(h1.double()-ref_h).abs().max():.2e}")
     dist.barrier(); dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can abort a normal exit after the group is gone
 
 if __name__ == "__main__":
     for scale in (0, 30, 1e3, 1e4):
