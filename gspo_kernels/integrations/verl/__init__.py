@@ -30,6 +30,10 @@ with LinearConfig(batch_invariant=True): verl's FSDP engine, where it builds the
 option to the model (`_with_linear_options`); a value that is not a bool, or the option without
 this fused forward, is refused there.
 
+verl's Megatron backend: the same impl_backend key routes its engine's logits processor
+(use_fused_kernels=False) and its fused forward's linear_cross_entropy (use_fused_kernels=True)
+through gspo_kernels (megatron_engine.py).
+
 Importing it also mends verl 0.9.1's actor build next to trl >= 1.0 (`_trl_value_head_available`).
 
 Tested against verl 0.9.1 (`tests/integrations/verl/test_verl_drop_in.py`); in 0.9.0 verl's gspo forced
@@ -41,6 +45,6 @@ seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 from .losses import POLICY_LOSSES, _warned  # noqa: F401  (_warned: the warn-once set, for tests)
 from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, forward_with_gspo_kernels
 from .engine_hook import _with_linear_options, linear_config  # noqa: F401
-from . import patching  # noqa: F401
+from . import megatron_engine, patching  # noqa: F401
 
 __all__ = ["BACKEND", "LINEAR_ATTRIBUTE", "POLICY_LOSSES", "forward_with_gspo_kernels", "linear_config"]

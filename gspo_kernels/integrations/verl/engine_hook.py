@@ -83,7 +83,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _ENGINE_MODULE in sys.modules:
-    _hook_engine(sys.modules[_ENGINE_MODULE])
-elif not any(isinstance(f, _AfterImport) and f.name == _ENGINE_MODULE for f in sys.meta_path):
-    sys.meta_path.insert(0, _AfterImport(_ENGINE_MODULE, _hook_engine))
+def after_import(name: str, then) -> None:
+    """`then(module)` on the module `name`: now if it is imported, else once something imports it."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+after_import(_ENGINE_MODULE, _hook_engine)
