@@ -2,7 +2,8 @@
 on gloo: GSPO through gspo_kernels.integrations.megatron (on the output layer's logits, and
 fused from the hidden states the output layer takes) against the same loss on megatron-core's
 own log-probs, -vocab_parallel_cross_entropy, with gk.policy_loss's sequence math on top. Loss,
-log-probs and every trainable parameter's gradient, float32.
+log-probs and every trainable parameter's gradient, float32; and the fused output layer's
+gradients in main_grad under megatron-core's DistributedDataParallel (distributed optimizer).
 
 Not covered here, with why: sequence parallelism (the local spec's torch LayerNorm asserts "sequence
 parallel not supported by torch LayerNorm"; the fused output layer's sequence-parallel path is
@@ -102,7 +103,32 @@ def _gpt_checks(rank):
             "missing": sorted(set(want) ^ set(got)),
             "grads": {n: float((got[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in want.items() if n in got},
         }
+    found["main_grad"] = _main_grad_check(model, tokens, labels, mask, old, adv, want)
     return found
+
+
+def _main_grad_check(model, tokens, labels, mask, old, adv, want):
+    """The fused output layer under megatron-core's DistributedDataParallel with the distributed
+    optimizer's settings: its backward hooks move each gradient into the parameter's float32
+    main_grad, which finish_grad_sync reduces over the data-parallel group (of one here)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from gspo_kernels.integrations import megatron as gm
+
+    model.zero_grad(set_to_none=True)  # the hooks add .grad into main_grad: none may be left over
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                              grad_reduce_in_fp32=True), model)
+    ddp.zero_grad_buffer()
+    seen = {}
+    hook = model.output_layer.register_forward_hook(lambda m, args, out: seen.update(hidden=args[0]))
+    ddp(tokens, torch.arange(S)[None].expand(B, S), None)
+    hook.remove()
+    loss, _ = gm.fused_output_gspo_loss(seen["hidden"], model.output_layer, labels, old, adv, loss_mask=mask, **CLIP)
+    loss.backward()
+    ddp.finish_grad_sync()
+    params = dict(model.named_parameters())
+    return {"grads": {n: float((params[n].main_grad - g).norm() / g.norm().clamp(min=1e-30)) for n, g in want.items()},
+            "left_in_grad": sorted(n for n, p in params.items() if p.grad is not None)}
 
 
 @pytest.fixture(scope="module")
@@ -116,5 +142,12 @@ def test_gpt_model_gradients_match_megatrons_own_log_probs(results, path):
     assert 0.0 < found["clip_frac"] < 1.0, found
     assert found["loss"] <= 1e-5 and found["logp"] <= 1e-5, found
     assert not found["missing"] and len(found["grads"]) > 10, found
+    worst = max(found["grads"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= 1e-4, worst
+
+
+def test_fused_output_gradients_reach_main_grad_under_megatron_ddp(results):
+    found = results["main_grad"]
+    assert len(found["grads"]) > 10 and not found["left_in_grad"], found
     worst = max(found["grads"].items(), key=lambda kv: kv[1])
     assert worst[1] <= 1e-4, worst
