@@ -220,9 +220,14 @@ def _force_positive(case, per_seq, per_tok, seq_rows):
     """A ratio beyond float32's range meets only positive advantages: there the clip (or the
     gate of CISPO, GMPO, VESPO) bounds the term, so float32 and float64 agree on a finite value.
     (With A <= 0 an overflowing ratio is inf * A in float32, NaN at A = 0: the documented
-    price of log_ratio_clamp=(None, ...), which the float64 reference does not pay.)"""
+    price of log_ratio_clamp=(None, ...), which the float64 reference does not pay.)
+    A stride-0 layout repeats one value (or row) of another sequence over every token, so
+    there every advantage is made positive."""
+    overflow = [i < len(case.zones) and case.zones[i] == "overflow" for i in range(len(seq_rows))]
+    if any(overflow) and _layout_of(case, "advantages") in ("expanded", "row_expanded"):
+        overflow = [True] * len(seq_rows)
     for i, rows in enumerate(seq_rows):
-        if i < len(case.zones) and case.zones[i] == "overflow":
+        if overflow[i]:
             per_seq[i] = abs(float(per_seq[i])) + 0.5
             for r in rows:
                 per_tok[r] = abs(float(per_tok[r])) + 0.5
