@@ -1,6 +1,6 @@
 """A whole GSPO training run on a CPU in a few minutes, with nothing downloaded.
 
-    python examples/gspo_digits.py                 # writes examples/gspo_digits_reward.png
+    python examples/gspo_digits.py                 # writes gspo_digits_reward.png in the working directory
 
 The task has a verifiable reward: the prompt is a target sum S (one token), and the policy
 must answer with DIGITS digit tokens that add up to S. A response earns 0.5 x its share of
@@ -161,7 +161,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--eps-high", type=float, default=4e-4)
     parser.add_argument("--beta", type=float, default=0.01, help="KL penalty to the initial model")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="examples/gspo_digits_reward.png", help="reward-curve PNG ('' for none)")
+    parser.add_argument("--plot", default="gspo_digits_reward.png",
+                        help="reward-curve PNG, relative to the working directory ('' for none; the docs' copy is "
+                             "examples/gspo_digits_reward.png)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
