@@ -222,6 +222,10 @@ class LinearConfig:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
             raise ValueError(f"grad_filter_eps must be a probability in [0, 1) (0: no filtering); got {eps!r}")
         object.__setattr__(self, "grad_filter_eps", float(eps))
+        if eps > 0 and not self.fused:
+            # Only the tile kernels skip tiles; the chunked path would silently ignore it.
+            raise ValueError(f"grad_filter_eps={eps!r} filters the fused tile kernels' backward: pass fused=True "
+                             "with it (the chunked path, fused=False, has no tiles to skip)")
         if self.batch_invariant and eps > 0:
             # A tile is skipped by what all its rows hold: a row's gradient would follow its neighbours.
             raise ValueError("grad_filter_eps > 0 skips tiles by the mass of all their rows, which is not "

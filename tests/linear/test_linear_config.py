@@ -61,6 +61,7 @@ def test_mixing_forms_is_refused():
     ({"reduce_hidden_grad": None}, TypeError, "reduce_hidden_grad must be a bool"),
     ({"grad_filter_eps": 1.0}, ValueError, "grad_filter_eps must be a probability"),
     ({"grad_filter_eps": -1e-3}, ValueError, "grad_filter_eps must be a probability"),
+    ({"grad_filter_eps": 1e-6}, ValueError, "pass fused=True"),  # nothing but the tile kernels reads it
 ])
 def test_linear_config_validates_once(options, error, match):
     with pytest.raises(error, match=match):
