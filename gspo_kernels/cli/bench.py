@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from dataclasses import replace
 
 import torch
@@ -29,6 +31,30 @@ LINEAR_GPU_SHAPES = "16384x4096x151936"
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _checked(parse):
+    """An argparse type: the text when each comma-separated item parses, else argparse's
+    one-line usage error with the parser's message (not a traceback)."""
+    def check(text: str) -> str:
+        try:
+            for item in _csv(text):
+                parse(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
+
+
+def _linear_shape(text: str) -> None:
+    if text != "default":
+        LinearShape.parse(text)
+
+
+def _distributed_shape(text: str) -> None:
+    if text != "default" and not re.fullmatch(r"\s*\d+\s*x\s*\d+\s*", text):
+        raise ValueError(f"a distributed problem is NxV, e.g. 2048x32768; got {text!r}")
 
 
 def _run_linear(args, device: str) -> int:
@@ -152,8 +178,8 @@ def run(args) -> int:
 
 def add_parser(commands) -> None:
     p = commands.add_parser("bench", help="time and memory of every provider available on this machine")
-    p.add_argument("--shapes", help="comma-separated BxTxV (default: 8x512x32768 on CPU, a grid up to N=65536 on GPU)")
-    p.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--shapes", type=_checked(Shape.parse), help="comma-separated BxTxV (default: 8x512x32768 on CPU, a grid up to N=65536 on GPU)")
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="logits dtype (default bf16)")
     p.add_argument("--providers", help=f"comma-separated subset of: {', '.join(PROVIDERS)}")
     p.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)}")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
@@ -166,11 +192,11 @@ def add_parser(commands) -> None:
     p.add_argument("--cpu", action="store_true", help="benchmark on the CPU even when a GPU is present")
     p.add_argument("--json", help="write one row per (provider, shape, mode) to this file")
     p.add_argument("--plot", help="also sweep V and N and draw time and memory to this PNG")
-    p.add_argument("--linear", nargs="?", const="default",
+    p.add_argument("--linear", nargs="?", const="default", type=_checked(_linear_shape),
                    help="fused-linear problems instead (comma-separated NxHxV; default: "
                         f"{LINEAR_CPU_SHAPES} on CPU, {LINEAR_GPU_SHAPES} on GPU); providers: "
                         f"{', '.join(LINEAR_PROVIDERS)}")
-    p.add_argument("--distributed", nargs="?", const="default",
+    p.add_argument("--distributed", nargs="?", const="default", type=_checked(_distributed_shape),
                    help="tensor-, context- and data-parallel GSPO on 2 gloo processes against one process "
                         "(NxV, default 2048x32768), with the communication each split needs")
     p.add_argument("--host", action="store_true",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 import warnings
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import backends
-from ..config import LEVELS
+from ..config import LEVELS, LOSS_AGGS
 from ..bench.table import print_table
 from ..testing.problems import ProblemSpec, make_problem
 from ..testing.verify import STATS_LIMIT, linear_operands, run_case, run_linear_case, token_stats_errors
@@ -165,13 +166,23 @@ def _print_fused_linear(chosen, available, args) -> int:
     return failed
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive integer; got {text!r}")
+    return value
+
+
 def add_parser(commands) -> None:
     p = commands.add_parser("check", help="gradient check of every backend against the float64 reference")
     p.add_argument("--backends", help="comma-separated subset (default: every backend runnable here)")
-    p.add_argument("--batch", type=int, default=6)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--loss-agg", default="seq-mean-token-mean")
+    p.add_argument("--batch", type=_positive, default=6, help="sequences in the check's problem (default 6)")
+    p.add_argument("--seq-len", type=_positive, default=16, help="tokens per sequence (default 16)")
+    p.add_argument("--vocab", type=_positive, default=1000, help="vocabulary size V (default 1000)")
+    p.add_argument("--loss-agg", default="seq-mean-token-mean", choices=LOSS_AGGS, help="the loss aggregation (default seq-mean-token-mean)")
     p.add_argument("--quick", action="store_true",
                    help="Triton through its interpreter: 4 of the 12 fused-linear cases (the main job's default)")
     p.set_defaults(run=run)
