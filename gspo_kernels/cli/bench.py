@@ -89,6 +89,33 @@ def _run_linear(args, device: str) -> int:
     return 1 if failed else 0
 
 
+def _run_megatron(args) -> int:
+    """GSPO on Megatron-Core's vocab-parallel logits against megatron-core's own log-probs."""
+    import importlib.util
+
+    from ..bench import megatron
+
+    if importlib.util.find_spec("megatron.core") is None:
+        print("bench --megatron needs megatron-core: pip install 'gspo_kernels[megatron]'")
+        return 2
+    rows, vocab = (int(x) for x in args.megatron.split("x")) if args.megatron != "default" else (4096, 151936)
+    try:
+        cfg = megatron.MegatronBench(rows=rows, vocab=vocab, reps=args.reps,
+                                     contenders=_csv(args.providers) if args.providers else megatron.CONTENDERS)
+    except ValueError as exc:
+        print(exc)
+        return 2
+    progress = Progress(len(cfg.contenders))
+    result = megatron.run(cfg, progress)
+    progress.close()
+    print(megatron.format_rows(cfg, result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {"rows": cfg.rows, "vocab": cfg.vocab, "reps": cfg.reps}, "rows": result}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _run_distributed(args) -> int:
     """Two (or more) gloo processes on this CPU, for each split: communication and time."""
     from ..bench import distributed
@@ -126,6 +153,8 @@ def _run_host(args) -> int:
 def run(args) -> int:
     if args.distributed:
         return _run_distributed(args)
+    if args.megatron:
+        return _run_megatron(args)
     if args.host:
         return _run_host(args)
     on_gpu = torch.cuda.is_available() and not args.cpu
@@ -199,6 +228,10 @@ def add_parser(commands) -> None:
     p.add_argument("--distributed", nargs="?", const="default", type=_checked(_distributed_shape),
                    help="tensor-, context- and data-parallel GSPO on 2 gloo processes against one process "
                         "(NxV, default 2048x32768), with the communication each split needs")
+    p.add_argument("--megatron", nargs="?", const="default", type=_checked(_distributed_shape),
+                   help="GSPO on Megatron-Core's vocab-parallel logits (TP=2 on gloo) against megatron-core's own "
+                        "log-probs: peak memory and time per rank (NxV, default 4096x151936; --providers picks "
+                        "contenders; needs megatron-core)")
     p.add_argument("--host", action="store_true",
                    help="the host cost of a tiny loss call instead: ops dispatched and host ms, per objective and layout")
     p.set_defaults(run=run)

@@ -115,3 +115,18 @@ def test_host_bench_writes_a_row_per_case_and_layout(tmp_path, capsys):
     # every call dispatches stage 1 and stage 3 at least, and took some host time
     assert all(r["ops_forward"] > 1 and r["ops_backward"] >= 1 and r["host_ms"] > 0 for r in rows)
     assert "ops fwd" in capsys.readouterr().out
+
+
+def test_bench_megatron_rows(capsys):
+    """bench --megatron on a small problem: one row per contender asked for, figures present."""
+    pytest.importorskip("megatron.core")
+    assert main(["bench", "--megatron", "512x2000", "--reps", "1", "--providers",
+                 "megatron_fp32,ours_bf16_inplace"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| megatron_") or line.startswith("| ours_")]
+    assert [r.split("|")[1].strip() for r in rows] == ["megatron_fp32", "ours_bf16_inplace"], out
+    for row in rows:
+        shard, peak, step = (float(x) for x in row.split("|")[2:5])
+        assert shard > 0 and peak >= 0 and step >= 0, row
+    assert main(["bench", "--megatron", "500x2000"]) == 2  # N not a multiple of 512: a message, no run
+    assert "multiple of 512" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from gspo_kernels.cli import main
     (["bench", "--dtype", "fp64"], ["--dtype", "invalid choice", "bf16"]),
     (["bench", "--linear", "2x3"], ["--linear", "NxHxV"]),
     (["bench", "--distributed", "12"], ["--distributed", "NxV"]),
+    (["bench", "--megatron", "4096"], ["--megatron", "NxV"]),
 ])
 def test_bad_arguments_give_a_usage_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:

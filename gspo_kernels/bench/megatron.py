@@ -4,27 +4,29 @@ in place on a float32 shard and copies a bf16 one to float32, then gk.policy_los
 math) against gspo_kernels.integrations.megatron.gspo_loss on the same shard, float32 and bf16,
 with and without inplace=True.
 
-    python benchmarks/cpu/megatron_logprobs.py [--rows 4096] [--vocab 151936] [--reps 2]
+    python -m gspo_kernels bench --megatron [NxV]     # default 4096x151936; needs megatron-core
 
 Each contender runs in a fresh pair of processes, so each rank's peak RSS (getrusage) is its
 own. The shard is made by an output layer's product (`[N, 64] @ [V/tp, 64].T`) before the step;
 the figure is the peak during the loss's forward + backward (the product's backward included)
-beyond what the rank held with its inputs and that shard, and the time is the median step. Prints a
-Markdown table, one row per contender, rank 0's figures (rank 1's agree within a few MB).
+beyond what the rank held with its inputs and that shard, and the time is the median step. The
+table has one row per contender, rank 0's figures (rank 1's agree within a few MB).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
-import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..loss import gspo_loss
+from ..policy_loss import policy_loss
 
 HIDDEN = 64  # the output layer's input width: small, so that its product's backward costs little
 CONTENDERS = ("megatron_fp32", "ours_fp32", "ours_fp32_inplace", "megatron_bf16", "ours_bf16", "ours_bf16_inplace")
@@ -40,18 +42,19 @@ def _peak_bytes() -> int:
 
 
 def _step(contender, shard, labels, old, adv, mask):
-    import gspo_kernels as gk
-    from gspo_kernels.integrations import megatron as gm
+    from megatron.core import parallel_state
 
     if contender.startswith("megatron"):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         # In place on a float32 shard; a bf16 one it first copies to float32 (and keeps that).
         logp = -vocab_parallel_cross_entropy(shard, labels)
-        loss, _ = gk.policy_loss(logp, old, adv, mask=mask)
+        loss, _ = policy_loss(logp, old, adv, mask=mask)
     else:
-        loss, _ = gm.gspo_loss(shard, labels, old, adv, loss_mask=mask, sequence_first=False,
-                               inplace=contender.endswith("inplace"))
+        # integrations.megatron.gspo_loss(..., sequence_first=False) is this call on a batch-first
+        # shard (no view, no copy); made here so that the bench imports no integration.
+        loss, _ = gspo_loss(shard, labels, old, adv, mask=mask, inplace=contender.endswith("inplace"),
+                               tp_group=parallel_state.get_tensor_model_parallel_group())
     loss.backward()
 
 
@@ -106,24 +109,39 @@ def measure(contender: str, rows: int, vocab: int, reps: int) -> dict:
     return queue.get()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=4096, help="N, tokens (a multiple of 512; default 4096)")
-    parser.add_argument("--vocab", type=int, default=151936, help="V, the whole vocabulary (default 151936)")
-    parser.add_argument("--reps", type=int, default=2, help="timed steps per contender (default 2)")
-    args = parser.parse_args(argv)
-    if args.rows % 512 or args.vocab % 2:
-        parser.error("--rows must be a multiple of 512 and --vocab even")
-    print(f"N = {args.rows}, V = {args.vocab} over 2 ranks (V/tp = {args.vocab // 2}), rank 0; torch "
-          f"{torch.__version__}, {os.cpu_count()} cores\n")
-    print("| contender | shard of logits (MiB) | peak beyond inputs (MiB) | step (s) |")
-    print("|---|---|---|---|")
-    for contender in CONTENDERS:
-        r = measure(contender, args.rows, args.vocab, args.reps)
-        print(f"| {contender} | {r['shard_mib']:.0f} | {r['peak_beyond_inputs_mib']:.0f} | {r['step_s']:.2f} |",
-              flush=True)
-    return 0
+@dataclass(frozen=True)
+class MegatronBench:
+    rows: int = 4096  # N, a multiple of 512 (sequences of 512)
+    vocab: int = 151936  # V, the whole vocabulary, even (split over 2 ranks)
+    reps: int = 2
+    contenders: tuple[str, ...] = CONTENDERS
+
+    def __post_init__(self) -> None:
+        if self.rows <= 0 or self.rows % 512 or self.vocab <= 0 or self.vocab % 2:
+            raise ValueError(f"the Megatron problem needs N a multiple of 512 and V even; got N = {self.rows}, "
+                             f"V = {self.vocab}")
+        unknown = [c for c in self.contenders if c not in CONTENDERS]
+        if unknown:
+            raise ValueError(f"unknown Megatron contenders {unknown}; they are {', '.join(CONTENDERS)}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(cfg: MegatronBench, progress=None) -> list[dict]:
+    """One row per contender, each measured in a fresh pair of processes."""
+    rows = []
+    for contender in cfg.contenders:
+        rows.append(dict(measure(contender, cfg.rows, cfg.vocab, cfg.reps), contender=contender))
+        if progress is not None:
+            progress.step(contender)
+    return rows
+
+
+def format_rows(cfg: MegatronBench, rows: list[dict]) -> str:
+    lines = [f"GSPO on Megatron's vocab-parallel logits: N = {cfg.rows}, V = {cfg.vocab} over 2 gloo ranks "
+             f"(V/tp = {cfg.vocab // 2}), rank 0, {cfg.reps} step(s) each, median; torch {torch.__version__}, "
+             f"{os.cpu_count()} cores. megatron_*: megatron-core's -vocab_parallel_cross_entropy, then "
+             "gk.policy_loss; ours_*: gk.gspo_loss on the shard with megatron-core's TP group (what "
+             "integrations.megatron.gspo_loss runs on a batch-first shard).", "",
+             "| contender | shard of logits (MiB) | peak beyond inputs (MiB) | step (s) |", "|---|---|---|---|"]
+    lines += [f"| {r['contender']} | {r['shard_mib']:.0f} | {r['peak_beyond_inputs_mib']:.0f} | {r['step_s']:.2f} |"
+              for r in rows]
+    return "\n".join(lines)
