@@ -7,6 +7,7 @@ entry point's "config=... or **options" into a validated object.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, fields
 
@@ -235,14 +236,48 @@ class LinearConfig:
 LINEAR_OPTIONS = frozenset(f.name for f in fields(LinearConfig))
 
 
-def resolve_config(config, options: dict, kind: type = GSPOConfig):
-    """`config` when given (then no keyword options may come with it), else kind(**options)."""
+# The trainers' names for our options, for the error on an unknown keyword (TRL's GRPOConfig,
+# verl's actor config; docs/trainers.md maps the rest).
+TRAINER_NAMES = {"epsilon": "eps_low", "epsilon_low": "eps_low", "epsilon_high": "eps_high",
+                 "clip_ratio": "eps_low and eps_high", "clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high",
+                 "importance_sampling_level": "level", "loss_agg_mode": "loss_agg",
+                 "loss_type": "objective (and loss_agg)", "entropy_coeff": "entropy_coef",
+                 "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
+                 "tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"}
+
+
+def _unknown_options(kind: type, options: dict) -> None:
+    """TypeError naming each unknown option with the nearest valid one (or the trainer name's
+    counterpart) and listing the valid ones; Python's own error would name neither."""
+    valid = [f.name for f in fields(kind)]
+    unknown = [name for name in options if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        if name in TRAINER_NAMES:
+            hints.append(f"{name!r}: ours is {TRAINER_NAMES[name]}")
+        elif near := difflib.get_close_matches(name, valid, n=1):
+            hints.append(f"{name!r}: did you mean {near[0]!r}?")
+        elif kind is not LinearConfig and (near := difflib.get_close_matches(name, sorted(LINEAR_OPTIONS), n=1)):
+            hints.append(f"{name!r}: did you mean {near[0]!r} (a LinearConfig option: the fused-linear entry "
+                         "points only)?")
+        else:
+            hints.append(repr(name))
+    raise TypeError(f"unknown {kind.__name__} option(s) {'; '.join(hints)} (valid: {', '.join(valid)})")
+
+
+def resolve_config(config, options: dict, kind: type = GSPOConfig, argument: str = "config"):
+    """`config` when given (then no keyword options may come with it), else kind(**options).
+    argument: the entry point's name for `config`, for the errors."""
     if config is None:
+        _unknown_options(kind, options)
         return kind(**options)
     if not isinstance(config, kind):
-        raise TypeError(f"config must be a {kind.__name__}; got {type(config).__name__}")
+        raise TypeError(f"{argument} must be a {kind.__name__}; got {type(config).__name__}")
     if options:
-        raise TypeError(f"pass options either in config or as keywords, not both; got config and {sorted(options)}")
+        raise TypeError(f"pass {kind.__name__} options either as {argument}= or as keywords, not both; got "
+                        f"{argument}= and {sorted(options)}")
     return config
 
 
@@ -251,4 +286,4 @@ def split_linear_options(linear, options: dict) -> tuple[LinearConfig, dict]:
     LinearConfig go to it (or must be absent when `linear` is given), the rest are left."""
     mine = {name: options[name] for name in options if name in LINEAR_OPTIONS}
     rest = {name: value for name, value in options.items() if name not in LINEAR_OPTIONS}
-    return resolve_config(linear, mine, LinearConfig), rest
+    return resolve_config(linear, mine, LinearConfig, "linear"), rest

@@ -1,0 +1,44 @@
+"""An unknown option at an entry point names the nearest valid one (or ours for a TRL / verl
+name) and lists the valid ones; mixing linear= with LinearConfig keywords names linear=."""
+
+import pytest
+import torch
+
+import gspo_kernels as gk
+
+
+def _logits_problem():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 3, 10, generator=gen), torch.randint(0, 10, (2, 3), generator=gen),
+            torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"epsilon": 0.2}, ["'epsilon'", "ours is eps_low", "valid:", "eps_high"]),
+    ({"epsilon_high": 0.28}, ["ours is eps_high"]),
+    ({"loss_agg_mode": "token-mean"}, ["ours is loss_agg"]),
+    ({"importance_sampling_level": "sequence"}, ["ours is level"]),
+    ({"sapo_temperature_pos": 1.0}, ["ours is sapo_tau_pos"]),
+    ({"eps_lo": 0.1}, ["did you mean 'eps_low'"]),
+    ({"chunksize": 4}, ["did you mean 'chunk_size'", "fused-linear entry points only"]),
+    ({"zzz": 1}, ["'zzz'", "valid:"]),
+])
+def test_unknown_option_names_the_fix(options, words):
+    logits, targets, old, adv = _logits_problem()
+    for call in (lambda: gk.gspo_loss(logits, targets, old, adv, **options),
+                 lambda: gk.policy_loss(old, old, adv, **options)):
+        with pytest.raises(TypeError) as error:
+            call()
+        for word in words:
+            assert word in str(error.value), (word, str(error.value))
+
+
+def test_fused_linear_unknown_option_and_linear_mix():
+    _, targets, old, adv = _logits_problem()
+    hidden, weight = torch.randn(2, 3, 8), torch.randn(10, 8)
+    with pytest.raises(TypeError, match="did you mean 'chunk_size'"):
+        gk.fused_linear_gspo_loss(hidden, weight, targets, old, adv, chunksize=4)
+    with pytest.raises(TypeError, match="either as linear= or as keywords"):
+        gk.fused_linear_gspo_loss(hidden, weight, targets, old, adv, linear=gk.LinearConfig(), chunk_size=4)
+    with pytest.raises(TypeError, match="linear must be a LinearConfig"):
+        gk.fused_linear_gspo_loss(hidden, weight, targets, old, adv, linear={"chunk_size": 4})
