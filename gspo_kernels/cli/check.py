@@ -60,6 +60,19 @@ def runnable_backends() -> dict[str, str]:
     return found
 
 
+def skipped_backends(found: dict[str, str]) -> dict[str, str]:
+    """backend -> why this machine does not run it, for those runnable_backends left out."""
+    why = {}
+    if "triton" not in found:
+        why["triton"] = ("Triton is not installed" if backends.triton_backend is None else
+                         "no GPU; TRITON_INTERPRET=1 runs it through Triton's CPU interpreter")
+    if not backends.native_available():
+        why["cpu"] = why["cuda"] = "the _C extension is not built (pip install --no-build-isolation -e .)"
+    elif "cuda" not in found:
+        why["cuda"] = "no GPU"
+    return why
+
+
 def run(args) -> int:
     # Triton's interpreter evaluates both sides of tl.where with numpy, which warns about the
     # 0 * inf branch the kernels then discard: noise, not a finding.
@@ -70,6 +83,9 @@ def run(args) -> int:
     if missing:
         print(f"not runnable here: {', '.join(missing)} (available: {', '.join(available)})")
         return 2
+    skipped = {} if args.backends else skipped_backends(available)
+    if skipped:
+        print("skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped.items()))
     header = ("backend", "device", "case", "loss err", "grad err", "logp err", "result")
     rows, failed = [], 0
     all_cases = cases()

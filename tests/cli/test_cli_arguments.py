@@ -2,6 +2,7 @@
 argument and the accepted form, never a traceback; `check --help` gives each option's default."""
 
 import pytest
+import torch
 
 from gspo_kernels.cli import main
 
@@ -33,3 +34,17 @@ def test_check_help_states_defaults(capsys):
     out = capsys.readouterr().out
     for text in ("(default 6)", "(default 16)", "(default 1000)", "(default seq-mean-token-mean)"):
         assert text in out, text
+
+
+def test_check_says_which_backends_it_skips_and_why():
+    from gspo_kernels.cli.check import runnable_backends, skipped_backends
+
+    found = runnable_backends()
+    why = skipped_backends(found)
+    assert set(why) | set(found) == {"torch", "triton", "cpu", "cuda"} and not set(why) & set(found)
+    if not torch.cuda.is_available():
+        assert "no GPU" in why["cuda"] or "_C" in why["cuda"]
+    without_triton = {name: device for name, device in found.items() if name != "triton"}
+    if "triton" in found and found["triton"] == "cpu":  # interpreted here: what a plain run would say
+        assert "TRITON_INTERPRET=1" in skipped_backends(without_triton).get("triton", "") or \
+            "not installed" in skipped_backends(without_triton)["triton"]
