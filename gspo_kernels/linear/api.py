@@ -121,6 +121,10 @@ class FusedLinearGSPOLoss(torch.nn.Module):
         self.config = resolve_config(None, options)
 
     def forward(self, hidden, lm_head: torch.nn.Linear, target_ids, old_logprobs, advantages, **tensors):
+        if not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+            got = "a tensor" if isinstance(lm_head, torch.Tensor) else type(lm_head).__name__
+            raise TypeError(f"FusedLinearGSPOLoss takes the lm_head module (an nn.Linear: its weight and bias); got "
+                            f"{got}. For a weight tensor call gk.fused_linear_gspo_loss(hidden, weight, ..., bias=)")
         return fused_linear_gspo_loss(hidden, lm_head.weight, target_ids, old_logprobs, advantages,
                                       bias=lm_head.bias, config=self.config, linear=self.linear, **tensors)
 

@@ -42,3 +42,10 @@ def test_fused_linear_unknown_option_and_linear_mix():
         gk.fused_linear_gspo_loss(hidden, weight, targets, old, adv, linear=gk.LinearConfig(), chunk_size=4)
     with pytest.raises(TypeError, match="linear must be a LinearConfig"):
         gk.fused_linear_gspo_loss(hidden, weight, targets, old, adv, linear={"chunk_size": 4})
+
+
+def test_fused_linear_module_given_a_tensor_names_the_function_form():
+    _, targets, old, adv = _logits_problem()
+    loss_fn = gk.FusedLinearGSPOLoss()
+    with pytest.raises(TypeError, match="takes the lm_head module.*got a tensor.*fused_linear_gspo_loss"):
+        loss_fn(torch.randn(2, 3, 8), torch.randn(10, 8), targets, old, adv)
