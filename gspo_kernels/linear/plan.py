@@ -45,6 +45,8 @@ class LinearPlan:
         """hidden: the `[N, H]` rows; weight: `[V, H]` (this rank's slice with tp_group)."""
         # fused=True is the Triton tile kernels: 'auto' means them.
         name = "triton" if linear.fused and backend == "auto" else backend
+        if linear.fused and name == "triton" and not backends.tiles_available(hidden.device):
+            _no_tiles(hidden.device)  # before resolve, whose error would blame a backend the user never named
         resolved = backends.resolve(name, hidden.device, hidden.dtype)
         if linear.fused:
             _check_fused(resolved, hidden.device)
@@ -62,5 +64,10 @@ def _check_fused(resolved_backend: str, device: torch.device) -> None:
         raise ValueError(f"fused=True runs the Triton kernels; got backend {resolved_backend!r} (use 'auto' or "
                          "'triton')")
     if not backends.tiles_available(device):
-        raise ValueError(f"fused=True needs CUDA tensors, or Triton's interpreter for CPU tensors (TRITON_INTERPRET=1 "
-                         f"before gspo_kernels is imported); got {device}")
+        _no_tiles(device)
+
+
+def _no_tiles(device: torch.device) -> None:
+    raise ValueError(f"fused=True runs the Triton tile kernels, which need CUDA tensors, or Triton's interpreter for "
+                     f"CPU tensors (TRITON_INTERPRET=1 before gspo_kernels is imported); got {device}. Without it, "
+                     "fused=False (the default) runs the chunked path on any backend")

@@ -49,3 +49,21 @@ def test_fused_linear_module_given_a_tensor_names_the_function_form():
     loss_fn = gk.FusedLinearGSPOLoss()
     with pytest.raises(TypeError, match="takes the lm_head module.*got a tensor.*fused_linear_gspo_loss"):
         loss_fn(torch.randn(2, 3, 8), torch.randn(10, 8), targets, old, adv)
+
+
+def test_fused_on_a_cpu_without_the_interpreter_names_fused_not_a_backend():
+    """In a process without TRITON_INTERPRET (the tests set it): the error is about fused=True,
+    not about a backend='triton' the caller never passed."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, gspo_kernels as gk\n"
+            "h, w = torch.randn(2, 3, 8), torch.randn(10, 8)\n"
+            "t, o, a = torch.randint(0, 10, (2, 3)), torch.randn(2, 3), torch.randn(2)\n"
+            "try:\n    gk.fused_linear_gspo_loss(h, w, t, o, a, fused=True)\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "fused=True runs the Triton tile kernels" in out and "fused=False" in out, out
+    assert "backend='triton'" not in out, out
