@@ -57,6 +57,10 @@ class TokenStatsFunction(torch.autograd.Function):
         no_grads = (None,) * 7
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
+        if getattr(ctx, "wrote_in_place", False):  # before saved_tensors, whose error names no cause
+            raise RuntimeError("gspo_kernels: inplace=True wrote the logits' gradient into their storage in the "
+                               "first backward, so a second backward through the same loss cannot read them; "
+                               "use inplace=False (the default) to backward twice (retain_graph=True)")
         logits, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
@@ -66,6 +70,7 @@ class TokenStatsFunction(torch.autograd.Function):
         if grad is logits:
             # The saved logits now hold the gradient: a second backward must fail loudly.
             torch.autograd.graph.increment_version(logits)
+            ctx.wrote_in_place = True
         return (grad,) + no_grads[1:]
 
 
