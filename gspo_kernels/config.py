@@ -234,6 +234,7 @@ class LinearConfig:
 
 
 LINEAR_OPTIONS = frozenset(f.name for f in fields(LinearConfig))
+_OPTION_NAMES = {kind: tuple(f.name for f in fields(kind)) for kind in (GSPOConfig, LinearConfig)}
 
 
 # The trainers' names for our options, for the error on an unknown keyword (TRL's GRPOConfig,
@@ -248,11 +249,15 @@ TRAINER_NAMES = {"epsilon": "eps_low", "epsilon_low": "eps_low", "epsilon_high":
 
 def _unknown_options(kind: type, options: dict) -> None:
     """TypeError naming each unknown option with the nearest valid one (or the trainer name's
-    counterpart) and listing the valid ones; Python's own error would name neither."""
-    valid = [f.name for f in fields(kind)]
+    counterpart) and listing the valid ones; Python's own error would name neither. The valid
+    names are module constants: torch.compile cannot trace dataclasses.fields."""
+    valid = _OPTION_NAMES[kind]
     unknown = [name for name in options if name not in valid]
-    if not unknown:
-        return
+    if unknown:
+        _raise_unknown(kind, unknown, valid)
+
+
+def _raise_unknown(kind: type, unknown: list, valid: tuple) -> None:
     hints = []
     for name in unknown:
         if name in TRAINER_NAMES:
