@@ -67,15 +67,3 @@ def test_fused_on_a_cpu_without_the_interpreter_names_fused_not_a_backend():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     assert "fused=True runs the Triton tile kernels" in out and "fused=False" in out, out
     assert "backend='triton'" not in out, out
-
-
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-def test_second_backward_after_inplace_names_inplace(backend):
-    if backend == "cpu" and not gk.backends.native_available():
-        pytest.skip("the _C extension is not built")
-    logits, targets, old, adv = _logits_problem()
-    leaf = logits.requires_grad_()
-    loss, _ = gk.gspo_loss(leaf * 1.0, targets, old, adv, inplace=True, backend=backend)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="inplace=True wrote the logits' gradient.*use inplace=False"):
-        loss.backward()
