@@ -1,23 +1,31 @@
 """slime's custom-loss contract: `--loss-type custom_loss --custom-loss-function-path
 gspo_kernels.integrations.megatron.slime.gspo_loss_function` runs slime's GSPO with the token
 log-probs and entropies of the fused kernels, on the vocab-parallel logits slime hands its loss
-(`[1, T, V/tp]`, float32, every sample packed one after the other): no float32 softmax of the
-shard is kept for backward.
+(`[1, T, V/tp]`, float32, every sample packed one after the other; with context parallelism
+this rank's chunks of each, slime_layout.py): no float32 softmax of the shard is kept for
+backward.
 
 slime calls `func(args, batch, logits, sum_of_sample_mean)` (slime/backends/megatron_utils/
-loss.py, loss_function, at THUDM/slime 624b824). Row j of the logits predicts token j + 1 of its
-sample, so sample i (prompt and response, total_lengths[i] tokens) gives its response's
-log-probs at rows [end - response_length - 1, end - 1), end = its offset + total_lengths[i].
-The loss is slime's policy loss with its reducer:
+loss.py, loss_function, at THUDM/slime 624b824). The loss is slime's policy loss with its
+reducer R (sum_of_sample_mean):
 
-    loss = R(pg) - entropy_coef * R(entropy) + kl_loss_coef * R(kl)      (kl with use_kl_loss)
+    loss = R(pg * tis * opsm) - entropy_coef * R(entropy) + kl_loss_coef * R(kl)
 
 pg the clipped GSPO term per token (gk.policy_loss at level sequence, or token for another
-advantage estimator), R slime's sum_of_sample_mean. R is linear, so its weight on each token is
-read once, by autograd on a zero vector, and handed to policy_loss as token_weights with
-loss_agg='token-sum': whatever denominators slime put in R (per sample, per rollout group) hold
-exactly. Refused with a message: context parallelism, TIS, OPSM, the mismatch metrics, rollout
-top-p replay, a custom pg-loss reducer and cispo, which slime's own policy loss handles.
+advantage estimator), tis slime's vanilla truncated importance weight (with --use-tis or
+--get-mismatch-metrics, as slime applies it), opsm its off-policy sequence mask (--use-opsm).
+R is linear, so its weight on each token is read once, by autograd on a zero vector, and handed
+to policy_loss, times tis and opsm, as token_weights with loss_agg='token-sum': whatever
+denominators slime put in R (per sample, per rollout group) hold exactly.
+
+With context parallelism the sequence ratio needs each sample's whole response: as slime does,
+each rank's response log-probs are summed into the whole responses over the context-parallel
+group (zeros elsewhere), differentiably, so that each rank's loss is its own tokens' part, as
+slime's, and backward sums every rank's part into each rank's rows.
+
+Refused with a message: slime's all-gather context parallelism (--allgather-cp), a custom TIS
+function, rollout top-p replay, a custom pg-loss reducer and cispo, which slime's own policy
+loss handles.
 """
 
 from __future__ import annotations
@@ -26,53 +34,48 @@ import torch
 
 from ...policy_loss import policy_loss
 from .logits import token_logprobs
-
-# slime arguments whose features this function does not implement, with what each is.
-_REFUSED = {
-    "use_tis": "truncated importance sampling (--use-tis)",
-    "get_mismatch_metrics": "the train/rollout mismatch metrics (--get-mismatch-metrics)",
-    "use_opsm": "the off-policy sequence mask (--use-opsm)",
-    "custom_pg_loss_reducer_function_path": "a custom pg-loss reducer",
-}
+from .slime_layout import slime_layout
 
 
-def _check_supported(args) -> None:
-    for name, what in _REFUSED.items():
-        if getattr(args, name, None):
-            raise NotImplementedError(f"gspo_kernels' slime loss does not implement {what}; drop it or use slime's "
-                                      "policy_loss")
+def _refusal(args, cp_size: int) -> str | None:
+    if getattr(args, "custom_tis_function_path", None):
+        return "a custom TIS function (--custom-tis-function-path)"
+    if getattr(args, "custom_pg_loss_reducer_function_path", None):
+        return "a custom pg-loss reducer (--custom-pg-loss-reducer-function-path)"
     if getattr(args, "rollout_top_p", 1.0) != 1.0:
-        raise NotImplementedError("gspo_kernels' slime loss does not implement rollout top-p replay "
-                                  "(--rollout-top-p < 1)")
+        return "rollout top-p replay (--rollout-top-p < 1)"
     if getattr(args, "advantage_estimator", "gspo") == "cispo":
-        raise NotImplementedError("advantage_estimator='cispo': use slime's policy_loss")
+        return "--advantage-estimator cispo"
+    if cp_size > 1 and getattr(args, "allgather_cp", False):
+        return "all-gather context parallelism (--allgather-cp)"
+    return None
+
+
+def _context_parallel():
     from megatron.core import parallel_state
 
-    if parallel_state.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("gspo_kernels' slime loss does not implement context parallelism yet "
-                                  "(--context-parallel-size > 1)")
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return 0, 1, None
+    return parallel_state.get_context_parallel_rank(), size, parallel_state.get_context_parallel_group()
 
 
-def _targets_and_rows(batch, rows: int, device):
-    """(targets [T], response rows [R]): each sample's next tokens at its rows, 0 elsewhere (rows
-    outside every response are masked out, so their target is never read); the response rows in
-    sample order, as slime concatenates its per-sample lists."""
-    targets = torch.zeros(rows, dtype=torch.long, device=device)
-    response_rows, offset = [], 0
-    for tokens, total, response in zip(batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"]):
-        targets[offset:offset + total - 1] = tokens[1:total].to(device)
-        end = offset + total - 1
-        response_rows.extend(range(end - response, end))
-        offset += total
-    if offset > rows:
-        raise ValueError(f"the samples' total_lengths add up to {offset} tokens but the logits hold {rows} rows")
-    return targets, torch.tensor(response_rows, dtype=torch.long, device=device)
+def _whole_responses(local, layout, n_whole: int, cp_group):
+    """This rank's response values placed in the samples' whole responses; with context
+    parallelism summed over its group (each position is one rank's), differentiably."""
+    whole = local.new_zeros(n_whole).index_copy(0, layout.full_index, local)
+    if cp_group is None:
+        return whole
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(whole, group=cp_group)
 
 
 def _reducer_weights(sum_of_sample_mean, n: int, device) -> torch.Tensor:
     """d R(x) / d x: R's weight on each response token (R is linear)."""
     x = torch.zeros(n, dtype=torch.float32, device=device, requires_grad=True)
-    reduced = sum_of_sample_mean(x)
+    with torch.enable_grad():
+        reduced = sum_of_sample_mean(x)
     if not isinstance(reduced, torch.Tensor) or not reduced.requires_grad:
         return torch.zeros(n, dtype=torch.float32, device=device)
     return torch.autograd.grad(reduced, x)[0]
@@ -95,45 +98,93 @@ def _approx_kl(logp, ref, kind: str, ratio=None):
     return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
 
 
+def _sequence_kl(whole_old, whole_logp, whole_mask, response_lengths):
+    """slime's per-sample mean of old - new over its loss mask (compute_gspo_kl), detached."""
+    sample = torch.repeat_interleave(torch.arange(len(response_lengths), device=whole_mask.device),
+                                     torch.as_tensor(response_lengths, device=whole_mask.device))
+    diff = ((whole_old - whole_logp.detach()) * whole_mask).double()
+    sums = torch.zeros(len(response_lengths), dtype=torch.float64, device=diff.device).index_add_(0, sample, diff)
+    counts = torch.zeros_like(sums).index_add_(0, sample, whole_mask.double())
+    return (sums / counts.clamp_min(1)).float()
+
+
+def _tis(args, batch, train_old, report, reduce):
+    """slime's vanilla_tis_function: the weight clamp(exp(old - rollout), tis_clip_low,
+    tis_clip) on each token's policy term, and its metrics reduced by R."""
+    if not batch.get("rollout_log_probs"):
+        raise ValueError("--use-tis and --get-mismatch-metrics need the batch's rollout_log_probs")
+    tis = torch.exp(train_old - torch.cat(batch["rollout_log_probs"]).float())
+    weights = tis.clamp(args.tis_clip_low, args.tis_clip)
+    report.update(tis=reduce(tis), tis_clipfrac=reduce((weights != tis).float()), tis_abs=reduce((tis - 1).abs()))
+    return weights
+
+
 def gspo_loss_function(args, batch, logits, sum_of_sample_mean):
     """slime's custom loss: (loss, metrics) with slime's metric names (loss, pg_loss,
-    entropy_loss, pg_clipfrac, ppo_kl, and kl_loss with use_kl_loss)."""
-    _check_supported(args)
+    entropy_loss, pg_clipfrac, ppo_kl; kl_loss with --use-kl-loss; ois, tis, tis_clipfrac,
+    tis_abs with TIS or the mismatch metrics; opsm_clipfrac with --use-opsm;
+    train_rollout_logprob_abs_diff when the batch has rollout log-probs)."""
+    cp_rank, cp_size, cp_group = _context_parallel()
+    refused = _refusal(args, cp_size)
+    if refused is not None:
+        raise NotImplementedError(f"gspo_kernels' slime loss does not implement {refused}; drop it or use slime's "
+                                  "policy_loss")
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"slime hands its loss logits of shape [1, T, V/tp]; got {tuple(logits.shape)}")
-    rows = logits.shape[1]
-    targets, response_rows = _targets_and_rows(batch, rows, logits.device)
-    in_response = torch.zeros(rows, dtype=torch.bool, device=logits.device).index_fill_(0, response_rows, True)
-    logp_all, entropy_all = token_logprobs(logits, targets, sequence_first=False, packed=True,
+    device, rows = logits.device, logits.shape[1]
+    layout = slime_layout(batch, rows, device, cp_rank, cp_size)
+    in_response = torch.zeros(rows, dtype=torch.bool, device=device).index_fill_(0, layout.response_rows, True)
+    logp_all, entropy_all = token_logprobs(logits, layout.targets, sequence_first=False, packed=True,
                                            temperature=getattr(args, "rollout_temperature", 1.0),
                                            return_entropy=True, loss_mask=in_response)
-    logp, entropy = logp_all[response_rows], entropy_all[response_rows]
+    logp, entropy = logp_all[layout.response_rows], entropy_all[layout.response_rows]
 
-    lengths = torch.tensor([0] + list(batch["response_lengths"]), device=logits.device).cumsum(0)
-    loss_mask = torch.cat(batch["loss_masks"]).to(logits.device)
+    response_lengths = list(batch["response_lengths"])
+    n_whole = sum(response_lengths)
     old_list = batch["rollout_log_probs"] if getattr(args, "use_rollout_logprobs", False) else batch.get("log_probs")
     old = torch.cat(old_list).float() if old_list else logp.detach()
-    weights = _reducer_weights(sum_of_sample_mean, logp.numel(), logits.device)
-    level = "sequence" if getattr(args, "advantage_estimator", "gspo") == "gspo" else "token"
+    train_old = torch.cat(batch["log_probs"]).float() if batch.get("log_probs") else logp.detach()
+    whole_logp = _whole_responses(logp, layout, n_whole, cp_group)
+    whole_old = _whole_responses(old, layout, n_whole, cp_group)
+    whole_mask = torch.cat(batch["loss_masks"]).to(device).float()
     advantages = torch.cat(batch["advantages"]).float()
-    pg_loss, metrics = policy_loss(
-        logp, old, advantages, mask=loss_mask != 0, cu_seqlens=lengths, token_weights=weights, level=level,
+    gspo = getattr(args, "advantage_estimator", "gspo") == "gspo"
+
+    report = {}
+    with torch.no_grad():
+        sequence_kl = _sequence_kl(whole_old, whole_logp, whole_mask, response_lengths)
+        local_lengths = torch.as_tensor(layout.local_lengths, device=device)
+        ppo_kl = torch.repeat_interleave(sequence_kl, local_lengths) if gspo else old - logp.detach()
+        weights = _reducer_weights(sum_of_sample_mean, logp.numel(), device)
+        if getattr(args, "use_opsm", False):
+            masked = ((advantages < 0) & (torch.repeat_interleave(sequence_kl, local_lengths) > args.opsm_delta)).float()
+            counts = torch.stack([m.sum() for m in batch["loss_masks"]]).to(device).clamp_min(1)
+            report["opsm_clipfrac"] = (torch.stack([part.sum() for part in masked.split(layout.local_lengths)])
+                                       / counts).sum()
+            weights = weights * (1 - masked)
+        if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
+            report["ois"] = sum_of_sample_mean(torch.exp(-ppo_kl))
+            weights = weights * _tis(args, batch, train_old, report, sum_of_sample_mean)
+
+    pg_loss, _ = policy_loss(
+        whole_logp, whole_old, _whole_responses(advantages, layout, n_whole, None), mask=whole_mask != 0,
+        cu_seqlens=torch.tensor([0] + response_lengths, device=device).cumsum(0),
+        token_weights=_whole_responses(weights, layout, n_whole, None), level="sequence" if gspo else "token",
         eps_low=args.eps_clip, eps_high=args.eps_clip_high, clip_ratio_c=getattr(args, "eps_clip_c", None),
         loss_agg="token-sum", normalizer=1.0)
 
     entropy_loss = sum_of_sample_mean(entropy)
     loss = pg_loss - args.entropy_coef * entropy_loss
-    ratio = metrics["seq_ratio"] if level == "sequence" else None
     with torch.no_grad():
-        per_token_ratio = torch.exp(logp - old) if ratio is None else \
-            torch.repeat_interleave(ratio, torch.as_tensor(batch["response_lengths"], device=logits.device))
-        clipped = per_token_ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
-        report = {
-            "pg_loss": pg_loss.detach(),
-            "entropy_loss": entropy_loss.detach(),
-            "pg_clipfrac": sum_of_sample_mean(((-clipped * advantages) > (-per_token_ratio * advantages)).float()),
-            "ppo_kl": sum_of_sample_mean(-torch.log(per_token_ratio)),
-        }
+        ratio = torch.exp(-ppo_kl)
+        clipped = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
+        report.update(pg_loss=pg_loss.detach(), entropy_loss=entropy_loss.detach(),
+                      pg_clipfrac=sum_of_sample_mean(((-clipped * advantages) > (-ratio * advantages)).float()),
+                      ppo_kl=sum_of_sample_mean(ppo_kl))
+        if batch.get("rollout_log_probs"):
+            compare = logp.detach() if getattr(args, "use_rollout_logprobs", False) else old
+            report["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(
+                (compare - torch.cat(batch["rollout_log_probs"]).float()).abs())
     if getattr(args, "use_kl_loss", False):
         ref = torch.cat(batch["ref_log_probs"]).float()
         importance = torch.exp(logp - old) if getattr(args, "use_unbiased_kl", False) else None
