@@ -56,6 +56,10 @@ compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/gpu/saniti
 step "distributed: the NCCL path in a group of one GPU"
 timeout 120 "$PY" benchmarks/gpu/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9 || status=1
 
+step "Megatron-Core: its own log-probs against ours, NCCL group of one, N = 16384, V = 151936, bf16"
+# Needs megatron-core from .whl (benchmarks/gpu/wheels.sh); prints SKIPPED without it.
+timeout 150 "$PY" benchmarks/gpu/megatron_group_of_one.py --json "$OUT/gpu_megatron.json" 2>&1 | tee "$OUT/gpu_megatron.txt" | tail -n 6 || status=1
+
 step "fused-linear tile kernels on the GPU against the float64 reference"
 timeout 150 "$PY" -m pytest tests/linear/test_fused_linear_tiled.py tests/linear/test_tile_ops.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_tiles.txt" | tail -n 4 || status=1
 

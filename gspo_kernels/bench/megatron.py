@@ -42,6 +42,7 @@ def _peak_bytes() -> int:
 
 
 def _step(contender, shard, labels, old, adv, mask):
+    """One forward + backward of the loss on the shard; returns the loss, detached."""
     from megatron.core import parallel_state
 
     if contender.startswith("megatron"):
@@ -56,6 +57,7 @@ def _step(contender, shard, labels, old, adv, mask):
         loss, _ = gspo_loss(shard, labels, old, adv, mask=mask, inplace=contender.endswith("inplace"),
                                tp_group=parallel_state.get_tensor_model_parallel_group())
     loss.backward()
+    return loss.detach()
 
 
 def _worker(rank, port, queue, contender, rows, vocab, reps):
