@@ -67,6 +67,24 @@ def check_temperature(value) -> float:
     return value
 
 
+def check_logit_scale(value) -> float:
+    """The model's logit multiplier as a float: finite and > 0 (the kernels take the softmax of
+    z * logit_scale / temperature; a scale <= 0 is no model's)."""
+    value = _real("logit_scale", value)
+    if value <= 0.0:
+        raise ValueError(f"logit_scale must be > 0; got {value}")
+    return value
+
+
+def softmax_temperature(temperature: float, logit_scale: float) -> float:
+    """The one divisor the kernels apply: softmax(z * logit_scale / temperature) is
+    softmax(z / (temperature / logit_scale))."""
+    divisor = temperature / logit_scale
+    if not 0.0 < divisor < math.inf:
+        raise ValueError(f"temperature / logit_scale = {temperature} / {logit_scale} is outside float range")
+    return divisor
+
+
 def check_backend(value) -> str:
     _choice("backend", value, BACKENDS)
     return value
@@ -89,6 +107,7 @@ class GSPOConfig:
     eps_low: float = 3e-4
     eps_high: float = 4e-4
     temperature: float = 1.0
+    logit_scale: float = 1.0  # the model's multiplier on its logits, applied before the temperature
     loss_agg: str = "seq-mean-token-mean"
     max_len: int | None = None
     beta: float = 0.0
@@ -124,6 +143,7 @@ class GSPOConfig:
         for name in ("eps_low", "eps_high", "beta", "entropy_coef"):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
+        object.__setattr__(self, "logit_scale", check_logit_scale(self.logit_scale))
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"eps_low must be in [0, 1) so that 1 - eps_low > 0; got {self.eps_low}")
         if self.eps_high < 0.0:

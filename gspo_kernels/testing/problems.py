@@ -41,12 +41,13 @@ class ProblemSpec:
     vocab: int = 300
     dtype: torch.dtype = torch.float32
     temperature: float = 1.0
+    logit_scale: float = 1.0  # the model's multiplier on its logits (passed only when not 1)
     empty_sequence: bool = False  # one sequence with no response token
     strided: bool = False  # logits are a view with a row stride larger than V
     token_advantages: bool = False
     with_ref: bool = False
     with_rollout: bool = False
-    logit_scale: float = 2.0
+    logit_std: float = 2.0  # the spread of the random logits
     device: str = "cpu"
     seed: int = 0
 
@@ -78,6 +79,8 @@ class Problem:
         """(positional args, keyword args) for gspo_loss; `logits` replaces the problem's own."""
         args = (self.logits if logits is None else logits, self.target_ids, self.old_logprobs, self.advantages)
         kwargs = {"mask": self.mask, "temperature": self.spec.temperature}
+        if self.spec.logit_scale != 1.0:
+            kwargs["logit_scale"] = self.spec.logit_scale
         if self.ref_logprobs is not None:
             kwargs["ref_logprobs"] = self.ref_logprobs
         if self.rollout_logprobs is not None:
@@ -143,13 +146,13 @@ def make_problem(spec: ProblemSpec = ProblemSpec()) -> Problem:
     gen = torch.Generator().manual_seed(spec.seed)
     b, t, v = spec.batch, spec.seq_len, spec.vocab
     extra = 1 if spec.strided else 0
-    logits_base = (torch.randn(b, t + extra, v, generator=gen) * spec.logit_scale).to(spec.dtype)
+    logits_base = (torch.randn(b, t + extra, v, generator=gen) * spec.logit_std).to(spec.dtype)
     view = (slice(None), slice(0, t)) if spec.strided else (Ellipsis,)
     logits = logits_base[view]
     target_ids = torch.randint(0, v, (b, t), generator=gen)
     mask = _response_masks(spec, gen)
 
-    true_logp = torch.log_softmax(logits.double() / spec.temperature, -1).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    true_logp = torch.log_softmax(logits.double() * spec.logit_scale / spec.temperature, -1).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     log_ratio, signs = _log_ratio_plan(mask)
     # Outside the response the old log-probs are noise: the loss must never read them.
     noise = torch.randn(b, t, generator=gen, dtype=torch.float64) * 5

@@ -14,12 +14,14 @@ import torch
 
 from ..config import GSPOConfig
 
-def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response):
+def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale=1.0):
     rows = logits.double().reshape(-1, logits.shape[-1])
     # Rows outside the response keep their values (reported in the metrics) but pass no
     # gradient, whatever they hold: NaN logits or a -100 pad id there cost nothing.
     rows = torch.where(in_response.to(rows.device).unsqueeze(-1), rows, rows.detach())
-    log_probs = torch.log_softmax(rows / temperature, dim=-1)
+    # The model's multiplier first, then the trainer's temperature, as Hugging Face models and
+    # the trainers apply them (Cohere: logits * logit_scale; then TRL's logits / temperature).
+    log_probs = torch.log_softmax(rows * logit_scale / temperature, dim=-1)
     probs = log_probs.exp()
     # -p log p is 0 where p = 0 (a -inf logit); log p is zeroed first so no 0 * -inf
     # appears in the forward or the backward pass.
@@ -143,7 +145,7 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
     cfg = config if config is not None else GSPOConfig(**options)
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
-    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response)
+    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response, cfg.logit_scale)
 
     def per_token(t):
         return None if t is None else t.reshape(-1).double()

@@ -14,7 +14,7 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
-from ..config import check_backend, check_temperature
+from ..config import check_backend, check_logit_scale, check_temperature, softmax_temperature
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
 from .upstream import upstream_grads
@@ -93,8 +93,10 @@ def selective_log_softmax(
     mask: torch.Tensor | None = None,
     tp_group=None,
     vocab_start: int | None = None,
+    logit_scale: float = 1.0,
 ):
-    """log_softmax(logits / temperature) gathered at target_ids, without a `[N, V]` buffer.
+    """log_softmax(logits * logit_scale / temperature) gathered at target_ids, without a
+    `[N, V]` buffer (logit_scale: the model's multiplier on its logits, 1 for most models).
 
     logits: `(B, T, V)` or `(N, V)`, float32/bfloat16/float16 (float64 on backend='torch');
     rows may be strided views. target_ids: the leading shape, int64 or int32.
@@ -114,7 +116,7 @@ def selective_log_softmax(
     V_local), target_ids are global ids, the results are the global ones on every rank, and
     backward writes this slice's gradient.
     """
-    temperature = check_temperature(temperature)
+    temperature = softmax_temperature(check_temperature(temperature), check_logit_scale(logit_scale))
     check_backend(backend)
     layout = TokenLayout.of_logits(logits)
     targets = check_targets(target_ids, layout)

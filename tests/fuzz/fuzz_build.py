@@ -274,7 +274,7 @@ def build(case: FuzzCase) -> Built:
     weight = weight_view = bias = None
     if fused:
         hidden_vals = torch.randn(n_rows, case.hidden, generator=gen, dtype=torch.float64) * 0.6
-        w_vals = torch.randn(vocab, case.hidden, generator=gen, dtype=torch.float64) * (0.6 * case.logit_scale / 2)
+        w_vals = torch.randn(vocab, case.hidden, generator=gen, dtype=torch.float64) * (0.6 * case.logit_std / 2)
         b_vals = torch.randn(vocab, generator=gen, dtype=torch.float64) * 0.2
         _inject_logits(case, hidden_vals, targets_flat, in_response, gen, fused=True)
         hidden_vals = hidden_vals.to(ldtype)
@@ -288,7 +288,7 @@ def build(case: FuzzCase) -> Built:
         logits64 = hidden_vals.double() @ w_vals.double().t() + (0 if bias is None else bias.double())
         logits64 = logits64.reshape(*shape, vocab)
     else:
-        rows_vals = torch.randn(n_rows, vocab, generator=gen, dtype=torch.float64) * case.logit_scale
+        rows_vals = torch.randn(n_rows, vocab, generator=gen, dtype=torch.float64) * case.logit_std
         rows_vals = rows_vals.to(ldtype).double()  # what a 16-bit tensor holds, exactly
         _inject_logits(case, rows_vals, targets_flat, in_response, gen, fused=False)
         values = rows_vals.to(ldtype).reshape(*shape, vocab)
@@ -296,7 +296,8 @@ def build(case: FuzzCase) -> Built:
         logits64 = values.double()
 
     temperature = opts.get("temperature", 1.0)
-    lp64, ent64 = reference._token_logprobs_and_entropy(logits64, targets, temperature, in_response)
+    lp64, ent64 = reference._token_logprobs_and_entropy(logits64, targets, temperature, in_response,
+                                                        opts.get("logit_scale", 1.0))
     lp64, ent64 = lp64.detach(), ent64.detach()
 
     built = Built(case=case, options=opts, base=base, view=view, logits64=logits64, targets=targets,

@@ -36,7 +36,7 @@ class FuzzCase:
     holes: bool = False  # drop some response rows inside a span (multi-turn masks)
     vocab: int = 7
     logits_dtype: str = "float32"
-    logit_scale: float = 2.0
+    logit_std: float = 2.0
     logits_view: str = "contiguous"  # fuzz_layouts.LOGITS_VIEWS (hidden's view for fused_linear)
     index_dtype: str = "int64"  # target_ids
     cu_dtype: str = "int64"  # cu_seqlens

@@ -40,6 +40,7 @@ def loss_options(draw, entry: str, packed: bool):
     opts = {"objective": objective, "level": level, "eps_low": eps_low, "eps_high": eps_high}
     if entry != "policy_loss":  # the log-probs are given there: no temperature applies
         opts["temperature"] = draw(st.sampled_from([1.0, 0.7, 1.5]))
+        opts["logit_scale"] = draw(st.sampled_from([1.0, 1.0, 0.3, 2.5]))  # a model's multiplier
     opts["loss_agg"] = draw(st.sampled_from(gk_config.LOSS_AGGS))
     if opts["loss_agg"] == "seq-mean-token-sum-norm":  # the horizon: required when packed
         opts["max_len"] = draw(st.integers(1, 12) if packed else st.one_of(st.none(), st.integers(1, 12)))
@@ -97,7 +98,7 @@ def fuzz_cases(draw, entry: str, backend: str):
         entry=entry, backend=backend, seed=draw(st.integers(0, 2**31 - 1)), packed=packed, spans=spans,
         pad_extra=0 if packed else draw(st.integers(0, 2)), holes=draw(st.booleans()),
         vocab=draw(st.integers(3, 70)), logits_dtype=draw(st.sampled_from(dtypes)),
-        logit_scale=draw(st.sampled_from([2.0, 0.5, 6.0])),
+        logit_std=draw(st.sampled_from([2.0, 0.5, 6.0])),
         logits_view=draw(st.sampled_from(LOGITS_VIEWS[:5] if fused else LOGITS_VIEWS)),
         index_dtype=draw(st.sampled_from(["int64", "int32"])), cu_dtype=draw(st.sampled_from(["int64", "int32"])),
         logprob_dtype=draw(st.sampled_from(["float32", "float64"])), mask_form=draw(st.sampled_from(mask_forms)),
@@ -113,7 +114,8 @@ def fuzz_cases(draw, entry: str, backend: str):
     if entry == "selective_log_softmax":
         case["return_entropy"] = draw(st.booleans())
         if draw(st.booleans()):
-            case["options"] = {"temperature": draw(st.sampled_from([0.7, 1.5])), "inplace": draw(st.booleans())}
+            case["options"] = {"temperature": draw(st.sampled_from([0.7, 1.5])), "inplace": draw(st.booleans()),
+                               "logit_scale": draw(st.sampled_from([1.0, 0.3, 2.5]))}
         return FuzzCase(**case)
 
     opts = draw(loss_options(entry, packed))

@@ -24,9 +24,9 @@ EPS = 2.0 ** -20  # the filtering threshold docs/fused_linear.md discusses ("Gra
 OPTIONS = [{}, {"temperature": 0.7}, {"beta": 0.05}, {"entropy_coef": 0.02, "temperature": 1.3}]
 
 
-def _problem(dtype, packed=False, seed=0, vocab=37, batch=4, seq_len=7, logit_scale=2.0):
+def _problem(dtype, packed=False, seed=0, vocab=37, batch=4, seq_len=7, logit_std=2.0):
     problem = make_problem(ProblemSpec(batch=batch, seq_len=seq_len, vocab=vocab, dtype=dtype, with_ref=True,
-                                       empty_sequence=batch > 1, device=DEVICE, seed=seed, logit_scale=logit_scale))
+                                       empty_sequence=batch > 1, device=DEVICE, seed=seed, logit_std=logit_std))
     return problem.to_packed() if packed else problem
 
 

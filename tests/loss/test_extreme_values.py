@@ -15,7 +15,7 @@ from loss_helpers import loss_and_grad, problem_for
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_logits_keep_entropy_accurate(backend, seed):
     """Logits far from zero: a naive lse - sum(p z) entropy would cancel catastrophically."""
-    problem = problem_for(backend, seed, logit_scale=1.0)
+    problem = problem_for(backend, seed, logit_std=1.0)
     logits = problem.logits.detach() + 3000.0
     _, metrics, _ = loss_and_grad(problem, backend, logits=logits)
     ref_entropy = reference.gspo_loss(*problem.loss_args(logits.double())[0], **problem.loss_args()[1])[1]["entropy"]
