@@ -36,6 +36,27 @@ def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_transformed_logits_model(kind: str, seed: int = 0):
+    """A random model with tiny_llama's sizes and ids whose logits are transformed after the
+    head: "cohere" multiplies them by logit_scale = 0.3, "granite" divides them by
+    logits_scaling = 0.25, "gemma2" soft-caps them at final_logit_softcapping = 0.5."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=PAD, eos_token_id=EOS,
+                 bos_token_id=BOS)
+    if kind == "cohere":
+        return transformers.CohereForCausalLM(transformers.CohereConfig(logit_scale=0.3, **sizes))
+    if kind == "granite":
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(logits_scaling=0.25, **sizes))
+    if kind == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(final_logit_softcapping=0.5, head_dim=8,
+                                                                        **sizes))
+    raise ValueError(f"unknown kind {kind!r}: cohere, granite or gemma2")
+
+
 def tiny_grpo_trainer(trainer_cls, model, output_dir: str, config_cls=None, **overrides):
     """trainer_cls (TRL's GRPOTrainer or the drop-in) on CPU in float32 (TRL's CPU default is
     bf16 autocast), 4 prompts a step in groups of 2, a reward that counts characters.

@@ -85,17 +85,6 @@ def unsupported_setting(settings: TRLSettings) -> str | None:
     return None
 
 
-def scaled_logits(model_config) -> str | None:
-    """The first logit transform of the model that the fused loss does not apply, if any."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if getattr(text, "final_logit_softcapping", None) is not None:
-        return "final_logit_softcapping"
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
-        if getattr(text, name, None) not in (None, 1, 1.0):
-            return name
-    return None
-
-
 def gspo_config(settings: TRLSettings) -> GSPOConfig:
     """GSPOConfig that computes TRL's per-token policy term for these settings (ValueError for
     one our options refuse)."""

@@ -28,6 +28,7 @@ from accelerate.utils import is_peft_model
 from ...config import GSPOConfig, LinearConfig
 from ...policy_loss import policy_loss
 from ..head import head_token_stats
+from ..model_logits import logit_scale_of, unsupported_logit_transform
 from . import options
 from .metrics import log_trl_metrics
 from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
@@ -55,6 +56,7 @@ class _StatsRequest:
     targets: torch.Tensor  # (B, C) completion ids
     mask: torch.Tensor  # (B, C) bool: the rows in the loss
     temperature: float
+    logit_scale: float  # the model's own multiplier on its logits (model_logits.py)
     head_in_fp32: bool
     linear: LinearConfig  # how the fused-linear call runs (options.linear_config)
 
@@ -78,7 +80,8 @@ def _install_stats_forward(model) -> None:
         # Through the head's own call, so that a sharded head is unsharded (FSDP2) or gathered
         # (ZeRO-3) for it, as for its forward.
         return head_token_stats(self.get_output_embeddings(), hidden, gspo_stats.targets,
-                                temperature=gspo_stats.temperature, mask=gspo_stats.mask,
+                                temperature=gspo_stats.temperature, logit_scale=gspo_stats.logit_scale,
+                                mask=gspo_stats.mask,
                                 dtype=torch.float32 if gspo_stats.head_in_fp32 else None, linear=gspo_stats.linear)
 
     model.forward = types.MethodType(forward, model)
@@ -112,9 +115,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         peft_config = getattr(unwrapped, "peft_config", None)
         if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
             return "PEFT prompt learning (its virtual tokens enter through the PEFT wrapper)"
-        scaled = options.scaled_logits(unwrapped.config)
-        if scaled is not None:
-            return f"a model whose logits are transformed ({scaled})"
+        transform = unsupported_logit_transform(unwrapped.config)
+        if transform is not None:
+            return f"a model whose logits are transformed ({transform})"
         return None
 
     def _gspo_plan(self, model, inputs) -> tuple[GSPOConfig | None, str | None]:
@@ -138,7 +141,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _gspo_stats(self, model, input_ids, attention_mask, completion_len: int):
         """(log-probs, entropies) of the completion tokens, through the model's patched forward."""
         request = _StatsRequest(input_ids[:, -completion_len:], attention_mask[:, -completion_len:] != 0,
-                                self.temperature, bool(self.args.cast_lm_head_to_fp32),
+                                self.temperature, logit_scale_of(self.accelerator.unwrap_model(model).config),
+                                bool(self.args.cast_lm_head_to_fp32),
                                 options.linear_config(TRLSettings.of(self)))
         with self.accelerator.autocast():  # the trainer's mixed precision for the backbone, as TRL runs it
             return model(input_ids=input_ids, attention_mask=attention_mask, gspo_stats=request)

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from gspo_kernels.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from gspo_kernels.testing.tiny import PAD, tiny_grpo_trainer, tiny_llama  # noqa: E402
+from gspo_kernels.testing.tiny import PAD, tiny_grpo_trainer, tiny_llama, tiny_transformed_logits_model  # noqa: E402,E501
 
 ROWS, PROMPT, COMPLETION = 6, 4, 5
 
@@ -392,3 +392,33 @@ def test_without_batch_invariant_the_log_probs_can_differ(invariant_trainer):
         assert torch.equal(alone[2], in_batch[2])
     if not _differing(pairs):
         pytest.skip("without batch_invariant every sequence got the same bits alone and in the batch on this machine")
+
+
+@pytest.mark.parametrize("kind", ["cohere", "granite"])
+def test_scaled_logits_run_fused_and_match_trl(tmp_path, kind):
+    # The model's own multiplier reaches the kernels (model_logits.py): no fallback, TRL's result.
+    base = tiny_transformed_logits_model(kind)
+    pair = tuple(_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__, temperature=0.7)
+                 for cls in (trl.GRPOTrainer, GRPOTrainer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fallback would warn
+        _compare(pair, dict(level="sequence", loss_type="grpo", beta=0.04, temperature=0.7))
+    assert not pair[1]._gspo_in_fallback
+
+
+def test_scaled_logits_change_the_result(tmp_path):
+    # The control: the same Cohere with its scale left out gives other log-probs than TRL's.
+    base = tiny_transformed_logits_model("cohere")
+    theirs, ours = (_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__)
+                    for cls in (trl.GRPOTrainer, GRPOTrainer))
+    ours.model.config.logit_scale = 1.0
+    with pytest.raises(AssertionError):
+        _compare((theirs, ours), dict(level="sequence", loss_type="grpo", beta=0.0))
+
+
+def test_soft_capped_logits_fall_back_to_trl(tmp_path):
+    base = tiny_transformed_logits_model("gemma2")
+    pair = tuple(_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__)
+                 for cls in (trl.GRPOTrainer, GRPOTrainer))
+    with pytest.warns(UserWarning, match="final_logit_softcapping"):
+        _compare(pair, dict(level="sequence", loss_type="grpo", beta=0.0))

@@ -9,7 +9,7 @@ import torch
 
 from gspo_kernels.config import LinearConfig
 from gspo_kernels.integrations.trl.options import (SUPPORTED_LOSS_TYPES, StepCounts, TRLSettings, gspo_config,
-                                                   linear_config, normalizer, scaled_logits, unsupported_setting)
+                                                   linear_config, normalizer, unsupported_setting)
 
 
 def test_clip_losses_map_onto_the_clip_objective():
@@ -83,15 +83,6 @@ def test_normalizers():
     # dapo: the generation batch's tokens per process, times accumulation / steps_per_generation
     assert float(normalizer(TRLSettings(loss_type="dapo"), train, mask)) == 24.0 / 2 * 2 / 4
     assert float(normalizer(TRLSettings(loss_type="cispo"), evaluation, mask)) == 12.0
-
-
-def test_scaled_logits():
-    plain = types.SimpleNamespace(final_logit_softcapping=None, logit_scale=1.0)
-    assert scaled_logits(plain) is None
-    assert scaled_logits(types.SimpleNamespace(final_logit_softcapping=30.0)) == "final_logit_softcapping"
-    assert scaled_logits(types.SimpleNamespace(logits_scaling=0.5)) == "logits_scaling"
-    nested = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(output_multiplier=2.0))
-    assert scaled_logits(nested) == "output_multiplier"
 
 
 def test_batch_invariant_maps_onto_the_linear_config():

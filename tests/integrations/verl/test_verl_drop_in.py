@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import gspo_kernels.integrations.verl as gk_verl  # noqa: E402
 from gspo_kernels.config import LinearConfig  # noqa: E402
-from gspo_kernels.testing.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
+from gspo_kernels.testing.tiny import tiny_llama, tiny_tokenizer, tiny_transformed_logits_model  # noqa: E402
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
@@ -166,6 +166,46 @@ def test_fused_forward_matches_the_logits(temperature):
         type(model).forward = original
     assert torch.allclose(out.log_probs.double(), want, atol=2e-5)
     assert torch.allclose(out.entropy.double(), want_entropy, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["cohere", "granite"])
+def test_fused_forward_applies_the_models_logit_scale(kind):
+    # verl's own fused kernels drop the model's multiplier; ours take it (model_logits.py):
+    # log-probs, entropies and every parameter's gradient against the model's own float64 logits.
+    from verl.models.transformers import monkey_patch
+
+    model = tiny_transformed_logits_model(kind)
+    reference = copy.deepcopy(model).double()
+    ids = torch.randint(0, 60, (3, 7))
+    logp = torch.log_softmax(reference(input_ids=ids).logits / 0.7, -1)
+    want = logp.gather(-1, torch.roll(ids, -1, -1)[..., None]).squeeze(-1)
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    (want.sum() + 0.3 * want_entropy.sum()).backward()
+    original = type(model).forward
+    try:
+        monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
+        assert type(model).forward is gk_verl.forward_with_gspo_kernels
+        out = model(input_ids=ids, temperature=0.7, return_dict=True)
+        (out.log_probs.double().sum() + 0.3 * out.entropy.double().sum()).backward()
+    finally:
+        type(model).forward = original
+    assert torch.allclose(out.log_probs.double(), want, atol=2e-5)
+    assert torch.allclose(out.entropy.double(), want_entropy, atol=2e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p.grad.double(), q.grad, rtol=1e-3, atol=1e-5), name
+
+
+def test_fused_forward_refuses_a_soft_capped_model():
+    from verl.models.transformers import monkey_patch
+
+    model = tiny_transformed_logits_model("gemma2")
+    original = type(model).forward
+    try:
+        monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
+        with pytest.raises(NotImplementedError, match="final_logit_softcapping.*use_fused_kernels=False"):
+            model(input_ids=torch.randint(0, 60, (2, 5)), temperature=1.0, return_dict=True)
+    finally:
+        type(model).forward = original
 
 
 def test_other_backends_stay_verls():
