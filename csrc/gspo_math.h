@@ -106,6 +106,27 @@ GSPO_HD RowAction row_action(bool in_loss, float lse, int64_t target, int64_t vo
   return (g == 0.f && h == 0.f) ? RowAction::kZero : RowAction::kCompute;
 }
 
+// The logit map: the softmax is taken of z = scale * x, or with a soft-cap (cap > 0) of
+// z = cap * tanh(scale * x), x the stored logit. config.kernel_logit_map sets scale and cap so
+// that z = softcap_c(x * logit_scale) / temperature (the model's scale, its soft-cap, then the
+// trainer's temperature). z is increasing in x (scale > 0), so a row's max maps to z's max; a
+// soft-capped z is finite for every x but NaN (tanh(+-inf) = +-1), so +-inf logits have a
+// softmax there. slope(z) = dz/dx, from z: exactly 0 where z saturates at +-cap.
+struct LogitMap {
+  float scale;
+  float cap;  // 0: no soft-cap
+
+  GSPO_HD bool capped() const { return cap > 0.f; }
+  GSPO_HD float operator()(float x) const { return capped() ? cap * tanhf(x * scale) : x * scale; }
+  // Through t = z / cap (exactly +-1 where z saturated at +-cap): the slope there is exactly 0,
+  // as in float64, so that an infinite input times it stays NaN as the reference's does.
+  GSPO_HD float slope(float z) const {
+    if (!capped()) return scale;
+    const float t = z / cap;
+    return scale * cap * (1.f - t * t);
+  }
+};
+
 // Where row r of a (B, T, V) or (N, V) tensor starts, in elements. Two strides let a kernel
 // read logits[:, :-1] without a copy; packed (N, V) is rows_per_batch = N, stride_b = 0.
 // int64 throughout: N * V passes 2^31 at N = 14k, V = 152k.

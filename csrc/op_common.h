@@ -47,6 +47,14 @@ inline void check_row_vector(const char* name, const at::Tensor& t, const at::Te
               " elements (one a logits row); got shape ", t.sizes(), (t.is_contiguous() ? "" : ", not contiguous"));
 }
 
+// The logit map from the ops' float arguments (the Python side checked them; a raw op call
+// with a negative cap or a non-positive scale is refused here).
+inline LogitMap logit_map(double inv_temperature, double softcap) {
+  TORCH_CHECK(inv_temperature > 0.0 && softcap >= 0.0, "gspo_kernels: inv_temperature must be > 0 and softcap >= 0; got ",
+              inv_temperature, " and ", softcap);
+  return {static_cast<float>(inv_temperature), static_cast<float>(softcap)};
+}
+
 // What the gradient kernels read besides the logits, checked once for both devices.
 struct GradInputs {
   const at::Tensor& targets;
@@ -91,16 +99,16 @@ inline bool elements_disjoint(const at::Tensor& t) {
 
 // A device's gradient launcher: writes dLoss/dlogits into `grad` (which may be `logits`).
 using GradLauncher = void (*)(const at::Tensor& logits, at::Tensor& grad, const GradInputs& inputs,
-                              double inv_temperature);
+                              const LogitMap& map);
 
 // gspo_kernels::logits_grad: the gradient in a new buffer shaped like the logits.
 template <GradLauncher kLaunch>
 at::Tensor logits_grad_op(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                           const at::Tensor& entropy, const at::Tensor& grad_logp,
                           const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& row_mask,
-                          double inv_temperature) {
+                          double inv_temperature, double softcap) {
   at::Tensor grad = at::empty(logits.sizes(), logits.options());
-  kLaunch(logits, grad, {targets, lse, entropy, grad_logp, grad_entropy, row_mask}, inv_temperature);
+  kLaunch(logits, grad, {targets, lse, entropy, grad_logp, grad_entropy, row_mask}, logit_map(inv_temperature, softcap));
   return grad;
 }
 
@@ -109,10 +117,11 @@ template <GradLauncher kLaunch>
 void logits_grad_inplace_op(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                             const at::Tensor& entropy, const at::Tensor& grad_logp,
                             const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& row_mask,
-                            double inv_temperature) {
+                            double inv_temperature, double softcap) {
   TORCH_CHECK(elements_disjoint(logits),
               "gspo_kernels: logits_grad_ needs logits whose rows do not share memory; use logits_grad");
-  kLaunch(logits, logits, {targets, lse, entropy, grad_logp, grad_entropy, row_mask}, inv_temperature);
+  kLaunch(logits, logits, {targets, lse, entropy, grad_logp, grad_entropy, row_mask},
+          logit_map(inv_temperature, softcap));
 }
 
 }  // namespace gspo

@@ -76,13 +76,32 @@ def check_logit_scale(value) -> float:
     return value
 
 
-def softmax_temperature(temperature: float, logit_scale: float) -> float:
-    """The one divisor the kernels apply: softmax(z * logit_scale / temperature) is
-    softmax(z / (temperature / logit_scale))."""
-    divisor = temperature / logit_scale
-    if not 0.0 < divisor < math.inf:
-        raise ValueError(f"temperature / logit_scale = {temperature} / {logit_scale} is outside float range")
-    return divisor
+def check_logit_softcap(value) -> float | None:
+    """The model's soft-cap c (logits -> c * tanh(logits / c)) as a float, or None for none."""
+    if value is None:
+        return None
+    value = _real("logit_softcap", value)
+    if value <= 0.0:
+        raise ValueError(f"logit_softcap must be > 0 (or None for no soft-cap); got {value}")
+    return value
+
+
+def _in_range(name: str, value: float) -> float:
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{name} = {value} is outside float range")
+    return value
+
+
+def kernel_logit_map(temperature: float, logit_scale: float = 1.0, logit_softcap: float | None = None):
+    """(inv_temperature, softcap) as the kernels take them: the softmax is taken of
+    softcap * tanh(inv_temperature * x) when softcap > 0, else of inv_temperature * x. That is
+    softcap_c(x * logit_scale) / temperature, softcap_c(y) = c * tanh(y / c): the model's scale,
+    then its soft-cap, then the trainer's temperature, as the models and trainers apply them."""
+    if logit_softcap is None:
+        divisor = _in_range("temperature / logit_scale", temperature / logit_scale)
+        return 1.0 / divisor, 0.0
+    return (_in_range("logit_scale / logit_softcap", logit_scale / logit_softcap),
+            _in_range("logit_softcap / temperature", logit_softcap / temperature))
 
 
 def check_backend(value) -> str:
@@ -108,6 +127,7 @@ class GSPOConfig:
     eps_high: float = 4e-4
     temperature: float = 1.0
     logit_scale: float = 1.0  # the model's multiplier on its logits, applied before the temperature
+    logit_softcap: float | None = None  # the model's soft-cap c: logits -> c * tanh(logits / c)
     loss_agg: str = "seq-mean-token-mean"
     max_len: int | None = None
     beta: float = 0.0
@@ -144,6 +164,7 @@ class GSPOConfig:
             object.__setattr__(self, name, _real(name, getattr(self, name)))
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
         object.__setattr__(self, "logit_scale", check_logit_scale(self.logit_scale))
+        object.__setattr__(self, "logit_softcap", check_logit_softcap(self.logit_softcap))
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"eps_low must be in [0, 1) so that 1 - eps_low > 0; got {self.eps_low}")
         if self.eps_high < 0.0:

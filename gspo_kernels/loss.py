@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .config import GSPOConfig, resolve_config, softmax_temperature
+from .config import GSPOConfig, kernel_logit_map, resolve_config
 from .distributed.vocab_parallel import VocabSlice
 from .inputs.checks import CallInputs, TokenLayout, prepare_batch
 from .sequence.gspo_objective import gspo_objective
@@ -17,8 +17,8 @@ def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs,
     batch = prepare_batch(config, TokenLayout.of_logits(logits), target_ids, old_logprobs, advantages, call)
     tp_slice = VocabSlice.of_rank(call.tp_group, call.vocab_start, logits.shape[-1])
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
-    temperature = softmax_temperature(config.temperature, config.logit_scale)
-    logp, entropy = token_stats(logits, batch.targets, temperature, backend_name, config.inplace,
+    logit_map = kernel_logit_map(config.temperature, config.logit_scale, config.logit_softcap)
+    logp, entropy = token_stats(logits, batch.targets, logit_map, backend_name, config.inplace,
                                 batch.row_mask, tp_slice)
     return gspo_objective(config, batch, logp, entropy)
 
@@ -48,7 +48,7 @@ def gspo_loss(
     advantages `(S,)` or `(N,)` (when S == N they are read per sequence).
 
     The keyword arguments above are this call's tensors. Every other keyword is a loss option
-    (level, eps_low, eps_high, temperature, logit_scale, loss_agg, objective, beta, ...: the fields of
+    (level, eps_low, eps_high, temperature, logit_scale, logit_softcap, loss_agg, objective, beta, ...: the fields of
     GSPOConfig, defined in docs/semantics.md); alternatively pass a ready
     `config=GSPOConfig(...)`, validated once.
 

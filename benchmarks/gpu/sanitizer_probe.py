@@ -16,22 +16,25 @@ import gspo_kernels  # noqa: F401  (registers torch.ops.gspo_kernels)
 ops = torch.ops.gspo_kernels
 
 
-def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool) -> float:
+def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool, softcap: float = 0.0) -> float:
+    """The ops take inv_temperature = 1.1 (z = 1.1 x); softcap > 0: z = softcap * tanh(1.1 x)."""
     full = torch.randn(3, 6, vocab + (1 if strided else 0), device="cuda").to(dtype)
     logits = full[..., :vocab] if strided else full
     targets = torch.randint(0, vocab, (18,), device="cuda")
     targets[0], targets[1] = -100, vocab  # out of range: NaN log-prob, no read outside the row
-    logp, entropy, lse = ops.token_stats(logits, targets, 1.1)
+    logp, entropy, lse = ops.token_stats(logits, targets, 1.1, softcap)
     g = torch.randn(18, device="cuda")
     g[2:5] = 0  # padding rows
     h = torch.randn(18, device="cuda") if with_h else None
     row_mask = torch.ones(18, dtype=torch.bool, device="cuda")
     row_mask[:2] = False  # the out-of-range targets sit outside the loss: zeros, never read
-    grad = ops.logits_grad(logits, targets, lse, entropy, g, h, row_mask, 1.1)
+    grad = ops.logits_grad(logits, targets, lse, entropy, g, h, row_mask, 1.1, softcap)
     inplace = logits.clone()
-    ops.logits_grad_(inplace, targets, lse, entropy, g, h, row_mask, 1.1)
+    ops.logits_grad_(inplace, targets, lse, entropy, g, h, row_mask, 1.1, softcap)
     torch.cuda.synchronize()
-    ref = torch.log_softmax(logits.double() / 1.1, -1).reshape(18, vocab)
+    z = logits.double() * 1.1
+    z = softcap * torch.tanh(z) if softcap > 0 else z
+    ref = torch.log_softmax(z, -1).reshape(18, vocab)
     err = (logp[2:].double() - ref[torch.arange(2, 18), targets[2:]]).abs().max().item()
     rows = grad.reshape(18, vocab)
     ok = torch.isnan(logp[:2]).all() and torch.equal(grad, inplace) and rows[:5].abs().sum() == 0
@@ -64,7 +67,8 @@ def main() -> int:
     for vocab in (7, 64, 2048, 2049, 5000, 32768):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for strided in (False, True):
-                worst = max(worst, one_case(vocab, dtype, strided, with_h=(vocab % 2 == 1)))
+                worst = max(worst, one_case(vocab, dtype, strided, with_h=(vocab % 2 == 1),
+                                            softcap=2.5 if strided else 0.0))
     print(f"sanitizer probe: max |logp - ref| = {worst:.2e}")
     return 0 if worst < 1e-4 else 1
 

@@ -228,19 +228,51 @@ SoftmaxStats row_stats(const scalar_t* row, int64_t vocab, float scale) {
   return st;
 }
 
+// A soft-capped block: z = cap * tanh(scale * x) of src[0:n] into float32 scratch (L1), where
+// the plain stats code reads it at scale 1. tanh: at::vec's (Sleef, about 1 ulp; +-inf give +-1).
+template <typename scalar_t>
+GSPO_HOT_LOOP void map_block(const scalar_t* src, int64_t n, const LogitMap& map, float* dst) {
+  const int64_t n_vec = n - n % kStep<scalar_t>;
+  const Vec vscale(map.scale), vcap(map.cap);
+  float* out = dst;
+  for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    visit(src + i, [&](const Vec& x) {
+      (vcap * (x * vscale).tanh()).store(out);
+      out += Vec::size();
+    });
+  }
+  for (int64_t i = n_vec; i < n; ++i) dst[i] = map(static_cast<float>(src[i]));
+}
+
+// Softmax stats of a soft-capped row: each block mapped into scratch, its stats taken as a
+// plain float32 row's, and merged (merge_stats is exact for any split).
+template <typename scalar_t>
+SoftmaxStats capped_row_stats(const scalar_t* row, int64_t vocab, const LogitMap& map) {
+  alignas(64) float block[kBlock];
+  SoftmaxStats st = empty_stats();
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t n = std::min(kBlock, vocab - start);
+    map_block(row + start, n, map, block);
+    st = merge_stats(st, row_stats(static_cast<const float*>(block), n, 1.f));
+  }
+  return st;
+}
+
 int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(vocab, 1)); }
 
 template <typename scalar_t>
-void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const int64_t* targets, float inv_t,
+void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const int64_t* targets, const LogitMap& map,
                       float* logp, float* entropy, float* lse) {
   const scalar_t* base = logits.const_data_ptr<scalar_t>();
   at::parallel_for(0, layout.rows, grain_rows(layout.vocab), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* row_ptr = base + layout.offset(row);
-      const RowResult r = finish_stats(row_stats(row_ptr, layout.vocab, inv_t));
+      const SoftmaxStats st = map.capped() ? capped_row_stats(row_ptr, layout.vocab, map)
+                                           : row_stats(row_ptr, layout.vocab, map.scale);
+      const RowResult r = finish_stats(st);
       const int64_t y = targets[row];
       const bool valid = y >= 0 && y < layout.vocab;  // never read outside the row
-      logp[row] = valid ? r.logprob(static_cast<float>(row_ptr[y]) * inv_t) : kNaN;
+      logp[row] = valid ? r.logprob(map(static_cast<float>(row_ptr[y]))) : kNaN;
       entropy[row] = r.entropy;
       lse[row] = r.lse;
     }
@@ -248,8 +280,9 @@ void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const i
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& logits, const at::Tensor& targets,
-                                                           double inv_temperature) {
+                                                           double inv_temperature, double softcap) {
   check_logits(logits, c10::kCPU);
+  const LogitMap map = logit_map(inv_temperature, softcap);
   const RowLayout layout = row_layout(logits);
   check_row_vector("targets", targets, logits, layout.rows, at::kLong);
   const auto opts = logits.options().dtype(at::kFloat);
@@ -258,8 +291,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
   at::Tensor entropy = at::empty(targets.sizes(), opts);
   at::Tensor lse = at::empty(targets.sizes(), opts);
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
-    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), static_cast<float>(inv_temperature),
-                               logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
+    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map, logp.data_ptr<float>(),
+                               entropy.data_ptr<float>(), lse.data_ptr<float>());
   });
   return {logp, entropy, lse};
 }
@@ -286,9 +319,33 @@ GSPO_HOT_LOOP void grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, i
   dst[y] = scalar_t(term + g * inv_t);
 }
 
+// The same for a soft-capped row: each term times dz/dx = scale * cap * (1 - t^2), taken
+// per element from t = tanh(scale * x), z = cap * t.
+template <typename scalar_t, bool kEntropyGrad>
+GSPO_HOT_LOOP void capped_grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, int64_t y, const LogitMap& map,
+                                   float g, float h, float row_lse, float row_entropy) {
+  const int64_t n_vec = vocab - vocab % kStep<scalar_t>;
+  const float z_target = map(static_cast<float>(src[y]));  // read before the loop: in place, it overwrites src[y]
+  const Vec vscale(map.scale), vcap(map.cap), vscale_cap(map.scale * map.cap), vone(1.f), vneg_lse(-row_lse),
+      vent(row_entropy), vneg_g(-g), vneg_h(-h);
+  for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    transform(src + i, dst + i, [&](const Vec& x) {
+      const Vec t = (x * vscale).tanh();
+      const Vec term = softmax_grad_term<VecOps, kEntropyGrad>(vcap * t + vneg_lse, vent, vneg_g, vneg_h);
+      return term * (vscale_cap * (vone - t * t));  // exactly 0 where t = +-1, as LogitMap::slope
+    });
+  }
+  for (int64_t i = n_vec; i < vocab; ++i) {
+    const float z = map(static_cast<float>(src[i]));
+    dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z - row_lse, row_entropy, -g, -h) * map.slope(z));
+  }
+  const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target - row_lse, row_entropy, -g, -h);
+  dst[y] = scalar_t((term + g) * map.slope(z_target));
+}
+
 template <typename scalar_t, bool kEntropyGrad>
 void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, const RowLayout& out,
-               const GradInputs& g_in, float inv_t) {
+               const GradInputs& g_in, const LogitMap& map) {
   const scalar_t* in_base = logits.const_data_ptr<scalar_t>();
   scalar_t* out_base = grad.data_ptr<scalar_t>();
   const int64_t* targets = g_in.targets.const_data_ptr<int64_t>();
@@ -304,8 +361,11 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       const float g = grad_logp[row];
       const float h = kEntropyGrad ? grad_entropy[row] : 0.f;
       const RowAction action = row_action(row_mask == nullptr || row_mask[row], lse[row], targets[row], vocab, g, h);
-      if (action == RowAction::kCompute) {
-        grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], inv_t, g, h, lse[row],
+      if (action == RowAction::kCompute && map.capped()) {
+        capped_grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map, g, h,
+                                                lse[row], kEntropyGrad ? entropy[row] : 0.f);
+      } else if (action == RowAction::kCompute) {
+        grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map.scale, g, h, lse[row],
                                          kEntropyGrad ? entropy[row] : 0.f);
       } else {  // the row is never read
         std::fill_n(dst, vocab, scalar_t(action == RowAction::kZero ? 0.f : kNaN));
@@ -329,18 +389,17 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g_in, double inv_temperature) {
+void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g_in, const LogitMap& map) {
   check_logits(logits, c10::kCPU);
   if (!grad.is_same(logits)) advise_huge_pages(grad);  // before the first write touches a page
   const RowLayout in = row_layout(logits);
   const RowLayout out = row_layout(grad);
   g_in.check(logits, in.rows);
-  const float inv_t = static_cast<float>(inv_temperature);
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::logits_grad", [&] {
     if (g_in.grad_entropy.has_value()) {
-      grad_rows<scalar_t, true>(logits, in, grad, out, g_in, inv_t);
+      grad_rows<scalar_t, true>(logits, in, grad, out, g_in, map);
     } else {
-      grad_rows<scalar_t, false>(logits, in, grad, out, g_in, inv_t);
+      grad_rows<scalar_t, false>(logits, in, grad, out, g_in, map);
     }
   });
 }

@@ -52,7 +52,7 @@ struct TokenStatsArgs {
   float* entropy;
   float* lse;
   RowLayout layout;
-  float inv_temperature;
+  LogitMap map;
 };
 
 template <typename scalar_t>
@@ -67,7 +67,7 @@ struct GradArgs {
   const float* grad_logp;
   const float* grad_entropy;
   const bool* row_mask;  // null: every row is in the loss
-  float inv_temperature;
+  LogitMap map;
 };
 
 template <int kThreadsPerRow>
@@ -79,7 +79,7 @@ struct RowThreads {
 
 // This thread's share of one row: packs lane, lane + kThreadsPerRow, ..., then the tail.
 template <typename scalar_t, int kVec, int kThreadsPerRow>
-__device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, float inv_t, int lane) {
+__device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, const LogitMap& map, int lane) {
   using P = Pack<scalar_t, kVec>;
   const P* packs = reinterpret_cast<const P*>(row);
   const int64_t n_packs = vocab / kVec;
@@ -92,7 +92,7 @@ __device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, flo
       if (i < n_packs) {
         const P p = packs[i];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) z[u * kVec + k] = static_cast<float>(p.v[k]) * inv_t;
+        for (int k = 0; k < kVec; ++k) z[u * kVec + k] = map(static_cast<float>(p.v[k]));
       } else {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) z[u * kVec + k] = -INFINITY;
@@ -107,7 +107,7 @@ __device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, flo
     st = merge_stats(st, batch);
   }
   for (int64_t v = n_packs * kVec + lane; v < vocab; v += kThreadsPerRow) {
-    const float z = static_cast<float>(row[v]) * inv_t;
+    const float z = map(static_cast<float>(row[v]));
     SoftmaxStats one{z, 0.f, 0.f};
     accumulate_shifted<DeviceOps>(z - finite_or_zero(z), one.sum, one.shifted);
     st = merge_stats(st, one);
@@ -146,13 +146,13 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_kernel(TokenStatsAr
   const bool in_range = row < a.layout.rows;
   const scalar_t* row_ptr = a.logits + (in_range ? a.layout.offset(row) : 0);
   SoftmaxStats st = empty_stats();
-  if (in_range) st = thread_row_stats<scalar_t, kVec, kThreadsPerRow>(row_ptr, a.layout.vocab, a.inv_temperature, lane);
+  if (in_range) st = thread_row_stats<scalar_t, kVec, kThreadsPerRow>(row_ptr, a.layout.vocab, a.map, lane);
   st = reduce_row<kThreadsPerRow>(st);
   if (in_range && lane == 0) {
     const RowResult r = finish_stats(st);
     const int64_t y = a.targets[row];
     const bool valid = y >= 0 && y < a.layout.vocab;  // never read outside the row
-    a.logp[row] = valid ? r.logprob(static_cast<float>(row_ptr[y]) * a.inv_temperature) : NAN;
+    a.logp[row] = valid ? r.logprob(a.map(static_cast<float>(row_ptr[y]))) : NAN;
     a.entropy[row] = r.entropy;
     a.lse[row] = r.lse;
   }
@@ -184,11 +184,18 @@ __global__ void __launch_bounds__(kBlockThreads) logits_grad_kernel(GradArgs<sca
     for (int64_t v = n_packs * kVec + lane; v < vocab; v += kThreadsPerRow) dst_elems[v] = fill;
     return;
   }
-  const float inv_t = a.inv_temperature;
+  const LogitMap map = a.map;
+  const float inv_t = map.scale;
   const float neg_lse = -a.lse[row];
   const float entropy = kEntropyGrad ? a.entropy[row] : 0.f;
   const float neg_g = -g * inv_t, neg_h = -h * inv_t, g_scaled = g * inv_t;
   auto grad_of = [&](float x, int64_t v) {
+    if (map.capped()) {  // uniform across the launch: no divergence
+      const float z = map(x);
+      float d = softmax_grad_term<DeviceOps, kEntropyGrad>(z + neg_lse, entropy, -g, -h);
+      if (v == y) d += g;
+      return scalar_t(d * map.slope(z));
+    }
     float d = softmax_grad_term<DeviceOps, kEntropyGrad>(fmaf(x, inv_t, neg_lse), entropy, neg_g, neg_h);
     if (v == y) d += g_scaled;
     return scalar_t(d);
@@ -281,8 +288,9 @@ struct GradLaunch {
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& logits, const at::Tensor& targets,
-                                                           double inv_temperature) {
+                                                           double inv_temperature, double softcap) {
   check_logits(logits, c10::kCUDA);
+  const LogitMap map = logit_map(inv_temperature, softcap);
   const RowLayout layout = row_layout(logits);
   check_row_vector("targets", targets, logits, layout.rows, at::kLong);
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -296,14 +304,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
     const TokenStatsArgs<scalar_t> args{logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(),
                                         logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>(),
-                                        layout, static_cast<float>(inv_temperature)};
+                                        layout, map};
     with_kernel_shape<scalar_t>(rows_16b_aligned<scalar_t>(args.logits, layout), layout.vocab,
                                 TokenStatsLaunch<scalar_t>{args, stream});
   });
   return {logp, entropy, lse};
 }
 
-void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g_in, double inv_temperature) {
+void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g_in, const LogitMap& map) {
   check_logits(logits, c10::kCUDA);
   TORCH_CHECK(grad.device() == logits.device() && grad.scalar_type() == logits.scalar_type() &&
                   grad.sizes() == logits.sizes(),
@@ -321,7 +329,7 @@ void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g
                                   g_in.entropy.const_data_ptr<float>(), g_in.grad_logp.const_data_ptr<float>(),
                                   has_h ? g_in.grad_entropy->const_data_ptr<float>() : nullptr,
                                   g_in.row_mask.has_value() ? g_in.row_mask->const_data_ptr<bool>() : nullptr,
-                                  static_cast<float>(inv_temperature)};
+                                  map};
     const bool aligned = rows_16b_aligned<scalar_t>(args.logits, in) && rows_16b_aligned<scalar_t>(args.grad, out);
     with_kernel_shape<scalar_t>(aligned, in.vocab, GradLaunch<scalar_t>{args, stream});
   });

@@ -16,10 +16,30 @@ import torch
 LOG_FLOOR = -200.0
 
 
+def mapped_logits_(x: torch.Tensor, inv_temperature: float, softcap: float) -> torch.Tensor:
+    """The kernels' logit map, in place on a float tensor x: z = inv_temperature * x, then
+    softcap * tanh(z) when softcap > 0."""
+    x.mul_(inv_temperature)
+    return x.tanh_().mul_(softcap) if softcap > 0.0 else x
+
+
+def logit_slope(z: torch.Tensor, inv_temperature: float, softcap: float):
+    """dz/dx of the logit map, from z: inv_temperature * softcap * (1 - t^2), t = z / softcap,
+    with a soft-cap (exactly 0 where z saturates at +-softcap, as in float64: an infinite input
+    times it stays NaN), else the float inv_temperature."""
+    if softcap > 0.0:
+        t = z / softcap
+        return (1.0 - t * t) * (inv_temperature * softcap)
+    return inv_temperature
+
+
 @dataclass(frozen=True)
 class GradInputs:
     """Per-row tensors (float32 unless noted), contiguous, one element per logits row: `[N]` or
-    the token shape `(B, T)`, all alike; and the temperature of one backward pass.
+    the token shape `(B, T)`, all alike; and the logit map of one backward pass: the softmax is
+    of z = softcap * tanh(inv_temperature * x) when softcap > 0, else of z = inv_temperature * x
+    (config.kernel_logit_map), and dz/dx = inv_temperature * softcap * (1 - (z / softcap)^2) or
+    inv_temperature.
 
     Row rule, the same on every backend (csrc/gspo_math.h, row_action): a row outside
     `row_mask` gets zeros whatever its logits hold, and is not read; a row in the loss with no
@@ -34,21 +54,24 @@ class GradInputs:
     grad_entropy: torch.Tensor | None  # None: no entropy term
     row_mask: torch.Tensor | None  # bool; None: every row is in the loss
     inv_temperature: float
+    softcap: float = 0.0  # 0: no soft-cap
 
     def as_rows(self) -> "GradInputs":
         """The same inputs as `[N]` rows (views)."""
         def flat(t):
             return None if t is None else t.reshape(-1)
         return GradInputs(flat(self.targets), flat(self.lse), flat(self.entropy), flat(self.grad_logp),
-                          flat(self.grad_entropy), flat(self.row_mask), self.inv_temperature)
+                          flat(self.grad_entropy), flat(self.row_mask), self.inv_temperature,
+                          self.softcap)
 
     def rows(self, part: slice) -> "GradInputs":
         """The same inputs for a slice of the `[N]` rows (a chunk)."""
         return GradInputs(self.targets[part], self.lse[part], self.entropy[part], self.grad_logp[part],
                           None if self.grad_entropy is None else self.grad_entropy[part],
-                          None if self.row_mask is None else self.row_mask[part], self.inv_temperature)
+                          None if self.row_mask is None else self.row_mask[part], self.inv_temperature,
+                          self.softcap)
 
     def op_args(self) -> tuple:
         """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
         return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
-                self.inv_temperature)
+                self.inv_temperature, self.softcap)

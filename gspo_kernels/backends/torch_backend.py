@@ -11,25 +11,25 @@ from __future__ import annotations
 
 import torch
 
-from .contract import LOG_FLOOR, GradInputs
+from .contract import LOG_FLOOR, GradInputs, logit_slope, mapped_logits_
 
 
-def _scaled_rows(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-    """A fresh float32 (or float64) copy of the logits as `[N, V]`, divided by the temperature."""
+def _scaled_rows(logits: torch.Tensor, inv_temperature: float, softcap: float) -> torch.Tensor:
+    """A fresh float32 (or float64) copy of the logits as `[N, V]`, through the logit map."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     rows = logits.reshape(-1, logits.shape[-1]).to(dtype, copy=True)
-    return rows.mul_(inv_temperature)
+    return mapped_logits_(rows, inv_temperature, softcap)
 
 
 def _valid(targets: torch.Tensor, vocab: int) -> torch.Tensor:
     return (targets >= 0) & (targets < vocab)
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float):
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0):
     """Returns (logp, entropy, lse), each float32 (float64 for float64 logits) of the targets'
     shape."""
     shape, targets = targets.shape, targets.reshape(-1)
-    z = _scaled_rows(logits, inv_temperature)
+    z = _scaled_rows(logits, inv_temperature, softcap)
     vocab = z.shape[-1]
     row_max = z.amax(dim=-1, keepdim=True)  # NaN-propagating: a NaN row stays NaN
     # An all -inf row shifts by 0 (its results are NaN either way); +inf stays, giving NaN.
@@ -50,8 +50,9 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
 def _grad_rows(logits, inputs: GradInputs):
     inputs = inputs.as_rows()
     lse, entropy, targets = inputs.lse, inputs.entropy, inputs.targets
-    inv_temperature = inputs.inv_temperature
-    log_p = _scaled_rows(logits, inv_temperature).sub_(lse.unsqueeze(-1))
+    z = _scaled_rows(logits, inputs.inv_temperature, inputs.softcap)
+    slope = logit_slope(z, inputs.inv_temperature, inputs.softcap)  # before z becomes log p in place
+    log_p = z.sub_(lse.unsqueeze(-1))
     grad = torch.exp(log_p)
     g = inputs.grad_logp.to(grad.dtype).unsqueeze(-1)
     if inputs.grad_entropy is None:
@@ -64,7 +65,7 @@ def _grad_rows(logits, inputs: GradInputs):
     valid = _valid(targets, vocab)
     one_hot = torch.where(valid.unsqueeze(-1), g, torch.zeros_like(g))
     grad.scatter_add_(-1, targets.clamp(0, vocab - 1).long().unsqueeze(-1), one_hot)
-    grad.mul_(inv_temperature)
+    grad.mul_(slope)
     # The row rule of GradInputs, applied after the fact (this backend reads every row anyway).
     has_upstream = inputs.grad_logp != 0
     if inputs.grad_entropy is not None:

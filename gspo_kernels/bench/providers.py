@@ -131,9 +131,13 @@ def _ours(backend: str):
     return _on_logits(loss)
 
 
-# Stage-2 variants on the auto backend (the cpu kernel on a CPU, Triton on a GPU): the same
-# kernels, so their time should stay within a few percent of plain GSPO.
+# Variants on the auto backend (the cpu kernel on a CPU, Triton on a GPU). The stage-2
+# objectives run the same kernels, so their time should stay within a few percent of plain GSPO;
+# the model's logit transforms run inside them: a scale folds into the temperature (free), a
+# soft-cap adds one tanh per logit to each pass.
 FAMILY = {
+    "tx_scale": dict(logit_scale=0.0625),  # Cohere's value
+    "tx_softcap": dict(logit_softcap=30.0),  # Gemma 2's value
     "obj_cispo": dict(objective="cispo"),
     "obj_sapo": dict(objective="sapo"),
     "obj_gmpo": dict(objective="gmpo", eps_low=0.4, eps_high=0.4),

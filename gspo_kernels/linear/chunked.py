@@ -46,7 +46,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
                 logits = ops.logits(hidden[part])
             else:
                 logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
-            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.inv_temperature)
+            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.inv_temperature,
+                                                                             plan.softcap)
         if plan.tp_slice is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
             logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
@@ -68,7 +69,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3])
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         saved = SavedPass(hidden, weight, bias, owned,
-                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature))
+                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature,
+                                     plan.softcap))
         reduce_hidden_grad = plan.reduce_hidden_grad
         fp32 = plan.linear.weight_grad_fp32
         if plan.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it

@@ -28,7 +28,8 @@ class LinearPlan:
     """One call's plan: the validated LinearConfig and what it resolved to for these tensors."""
 
     linear: LinearConfig
-    inv_temperature: float
+    inv_temperature: float  # with softcap: the kernels' logit map (config.kernel_logit_map)
+    softcap: float
     backend_name: str  # resolved; "triton" whenever linear.fused
     chunk: int  # rows per chunk of the chunked path
     tp_slice: VocabSlice | None = None  # vocab-parallel: the weight holds this rank's vocab slice
@@ -40,7 +41,7 @@ class LinearPlan:
         return self.tp_slice is not None and self.linear.reduce_hidden_grad
 
     @staticmethod
-    def of(linear: LinearConfig, temperature: float, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
+    def of(linear: LinearConfig, logit_map: tuple, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
            tp_group=None, vocab_start=None) -> "LinearPlan":
         """hidden: the `[N, H]` rows; weight: `[V, H]` (this rank's slice with tp_group)."""
         # fused=True is the Triton tile kernels: 'auto' means them.
@@ -56,7 +57,7 @@ class LinearPlan:
         if linear.batch_invariant and not linear.fused:  # the tile kernels' shapes are fixed already
             blocks = ProductBlocks.of(hidden.device, hidden.shape[-1])
             chunk = blocks.round_chunk(chunk)
-        return LinearPlan(linear, 1.0 / temperature, resolved, chunk, tp_slice, blocks)
+        return LinearPlan(linear, *logit_map, resolved, chunk, tp_slice, blocks)
 
 
 def _check_fused(resolved_backend: str, device: torch.device) -> None:

@@ -42,6 +42,7 @@ class ProblemSpec:
     dtype: torch.dtype = torch.float32
     temperature: float = 1.0
     logit_scale: float = 1.0  # the model's multiplier on its logits (passed only when not 1)
+    logit_softcap: float | None = None  # the model's soft-cap (passed only when set)
     empty_sequence: bool = False  # one sequence with no response token
     strided: bool = False  # logits are a view with a row stride larger than V
     token_advantages: bool = False
@@ -81,6 +82,8 @@ class Problem:
         kwargs = {"mask": self.mask, "temperature": self.spec.temperature}
         if self.spec.logit_scale != 1.0:
             kwargs["logit_scale"] = self.spec.logit_scale
+        if self.spec.logit_softcap is not None:
+            kwargs["logit_softcap"] = self.spec.logit_softcap
         if self.ref_logprobs is not None:
             kwargs["ref_logprobs"] = self.ref_logprobs
         if self.rollout_logprobs is not None:
@@ -152,7 +155,10 @@ def make_problem(spec: ProblemSpec = ProblemSpec()) -> Problem:
     target_ids = torch.randint(0, v, (b, t), generator=gen)
     mask = _response_masks(spec, gen)
 
-    true_logp = torch.log_softmax(logits.double() * spec.logit_scale / spec.temperature, -1).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    z = logits.double() * spec.logit_scale
+    if spec.logit_softcap is not None:
+        z = spec.logit_softcap * torch.tanh(z / spec.logit_softcap)
+    true_logp = torch.log_softmax(z / spec.temperature, -1).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     log_ratio, signs = _log_ratio_plan(mask)
     # Outside the response the old log-probs are noise: the loss must never read them.
     noise = torch.randn(b, t, generator=gen, dtype=torch.float64) * 5

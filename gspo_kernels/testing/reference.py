@@ -14,14 +14,18 @@ import torch
 
 from ..config import GSPOConfig
 
-def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale=1.0):
+def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale=1.0, logit_softcap=None):
     rows = logits.double().reshape(-1, logits.shape[-1])
     # Rows outside the response keep their values (reported in the metrics) but pass no
     # gradient, whatever they hold: NaN logits or a -100 pad id there cost nothing.
     rows = torch.where(in_response.to(rows.device).unsqueeze(-1), rows, rows.detach())
-    # The model's multiplier first, then the trainer's temperature, as Hugging Face models and
-    # the trainers apply them (Cohere: logits * logit_scale; then TRL's logits / temperature).
-    log_probs = torch.log_softmax(rows * logit_scale / temperature, dim=-1)
+    # The model's multiplier, then its soft-cap, then the trainer's temperature, as Hugging Face
+    # models and the trainers apply them (Cohere: logits * logit_scale; Gemma 2:
+    # c * tanh(logits / c); then TRL's logits / temperature).
+    rows = rows * logit_scale
+    if logit_softcap is not None:
+        rows = logit_softcap * torch.tanh(rows / logit_softcap)
+    log_probs = torch.log_softmax(rows / temperature, dim=-1)
     probs = log_probs.exp()
     # -p log p is 0 where p = 0 (a -inf logit); log p is zeroed first so no 0 * -inf
     # appears in the forward or the backward pass.
@@ -145,7 +149,8 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
     cfg = config if config is not None else GSPOConfig(**options)
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
-    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response, cfg.logit_scale)
+    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response, cfg.logit_scale,
+                                                 cfg.logit_softcap)
 
     def per_token(t):
         return None if t is None else t.reshape(-1).double()

@@ -178,6 +178,7 @@ def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weig
     args, kwargs = problem.loss_args()
     kwargs.pop("temperature")
     kwargs.pop("logit_scale", None)
+    kwargs.pop("logit_softcap", None)
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in operands]
     loss, metrics = fused_linear_gspo_loss(leaves[0], leaves[1], *args[1:], bias=leaves[2], chunk_size=chunk_size,
                                            weight_grad_fp32=weight_grad_fp32, fused=fused,

@@ -14,7 +14,7 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
-from ..config import check_backend, check_logit_scale, check_temperature, softmax_temperature
+from ..config import check_backend, check_logit_scale, check_logit_softcap, check_temperature, kernel_logit_map
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
 from .upstream import upstream_grads
@@ -31,21 +31,21 @@ class TokenStatsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, row_mask, temperature: float, backend_name: str, inplace: bool,
+    def forward(ctx, logits, targets, row_mask, logit_map: tuple, backend_name: str, inplace: bool,
                 tp_slice: VocabSlice | None):
         backend = backends.get(backend_name)
-        inv_temperature = 1.0 / temperature
+        inv_temperature, softcap = logit_map
         owned = None
         if tp_slice is not None:
             targets, owned = tp_slice.local_targets(targets)
-        logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature)
+        logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature, softcap)
         if tp_slice is not None:
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack: a detached alias
         # costs one op.
         ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned)
         ctx.tp_slice = tp_slice
-        ctx.inv_temperature = inv_temperature
+        ctx.logit_map = logit_map
         ctx.backend_name = backend_name
         ctx.inplace = inplace
         # Unused outputs arrive as None, so stage 3 can skip the entropy term entirely.
@@ -63,7 +63,7 @@ class TokenStatsFunction(torch.autograd.Function):
                                "use inplace=False (the default) to backward twice (retain_graph=True)")
         logits, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
-        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.inv_temperature)
+        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, *ctx.logit_map)
         backend = backends.get(ctx.backend_name)
         grad = slice_logits_grad(backend, logits, inputs, None if ctx.tp_slice is None else owned,
                                  ctx.inplace and writable_in_place(logits))
@@ -74,12 +74,12 @@ class TokenStatsFunction(torch.autograd.Function):
         return (grad,) + no_grads[1:]
 
 
-def token_stats(logits, targets, temperature: float, backend_name: str, inplace: bool = False,
+def token_stats(logits, targets, logit_map: tuple, backend_name: str, inplace: bool = False,
                 row_mask: torch.Tensor | None = None, tp_slice: VocabSlice | None = None):
     """Stage 1 with autograd: logp and entropy in float32 (float64 for float64 logits) of the
     targets' shape (contiguous int64: the token shape or `[N]` rows). With a vocab slice (tp_slice) the
     logits are this rank's slice and the results are the global ones."""
-    return TokenStatsFunction.apply(logits, targets, row_mask, temperature, backend_name, inplace, tp_slice)
+    return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice)
 
 
 def selective_log_softmax(
@@ -94,9 +94,11 @@ def selective_log_softmax(
     tp_group=None,
     vocab_start: int | None = None,
     logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ):
-    """log_softmax(logits * logit_scale / temperature) gathered at target_ids, without a
-    `[N, V]` buffer (logit_scale: the model's multiplier on its logits, 1 for most models).
+    """log_softmax(softcap(logits * logit_scale) / temperature) gathered at target_ids, without
+    a `[N, V]` buffer. logit_scale and logit_softcap (c: y -> c * tanh(y / c)) are what the
+    model does to its logits (1 and None for most models; docs/semantics.md).
 
     logits: `(B, T, V)` or `(N, V)`, float32/bfloat16/float16 (float64 on backend='torch');
     rows may be strided views. target_ids: the leading shape, int64 or int32.
@@ -116,12 +118,13 @@ def selective_log_softmax(
     V_local), target_ids are global ids, the results are the global ones on every rank, and
     backward writes this slice's gradient.
     """
-    temperature = softmax_temperature(check_temperature(temperature), check_logit_scale(logit_scale))
+    logit_map = kernel_logit_map(check_temperature(temperature), check_logit_scale(logit_scale),
+                                 check_logit_softcap(logit_softcap))
     check_backend(backend)
     layout = TokenLayout.of_logits(logits)
     targets = check_targets(target_ids, layout)
     row_mask = None if mask is None else check_mask(mask, layout)
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     tp_slice = VocabSlice.of_rank(tp_group, vocab_start, logits.shape[-1])
-    logp, entropy = token_stats(logits, targets, temperature, resolved, inplace, row_mask, tp_slice)
+    logp, entropy = token_stats(logits, targets, logit_map, resolved, inplace, row_mask, tp_slice)
     return (logp, entropy) if return_entropy else logp

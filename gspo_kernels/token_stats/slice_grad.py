@@ -11,25 +11,25 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.contract import LOG_FLOOR, GradInputs
+from ..backends.contract import LOG_FLOOR, GradInputs, logit_slope, mapped_logits_
 
 
 def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:
     """Rewrites column 0 of `grad` (a vocab slice's gradient, `[..., V_local]`) for the rows in
-    the loss whose target is outside the slice: there the kernel added the one-hot term g / T
-    at column 0, where the true gradient has only the softmax term.
+    the loss whose target is outside the slice: there the kernel added the one-hot term
+    g * dz/dx at column 0, where the true gradient has only the softmax term.
     first_logit: the logits at column 0 (the rows' shape, like the inputs), read before an
     in-place kernel ran."""
     foreign = ~owned
     if inputs.row_mask is not None:
         foreign = foreign & inputs.row_mask
-    inv_t = inputs.inv_temperature
     dtype = inputs.lse.dtype
-    log_p = first_logit.to(dtype) * inv_t - inputs.lse
+    z = mapped_logits_(first_logit.to(dtype, copy=True), inputs.inv_temperature, inputs.softcap)
+    log_p = z - inputs.lse
     coef = inputs.grad_logp
     if inputs.grad_entropy is not None:
         coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
-    value = -torch.exp(log_p) * coef * inv_t
+    value = -torch.exp(log_p) * coef * logit_slope(z, inputs.inv_temperature, inputs.softcap)
     column = grad.select(-1, 0)
     fixed = torch.where(foreign, value, column.reshape(value.shape).to(dtype))
     column.copy_(fixed.reshape(column.shape))

@@ -37,7 +37,9 @@ def _run(case: Case, p: dict, view: RankView | None, normalizer=None):
             linear_kw["reduce_hidden_grad"] = dict(case.options).get("reduce_hidden_grad", True)
     if case.entry == "selective":
         tp = {k: groups[k] for k in ("tp_group", "vocab_start") if k in groups}
-        sel_kw = dict(temperature=0.9, return_entropy=True, backend=case.backend, mask=kw["mask"], **tp)
+        # A soft-cap here: the vocab slices' one-hot fix-up (slice_grad.py) then runs through its slope.
+        sel_kw = dict(temperature=0.9, return_entropy=True, backend=case.backend, mask=kw["mask"], logit_softcap=4.0,
+                      **tp)
         if case.linear:
             logp, ent = gk.fused_linear_selective_log_softmax(leaves["hidden"], leaves["weight"], targets,
                                                               **linear_kw, **sel_kw)

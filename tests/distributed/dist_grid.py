@@ -101,6 +101,7 @@ EXTRA_OPTIONS = (
     (("entropy_coef", 0.01), ("temperature", 0.7)),
     (("rollout_correction", "sequence-truncate"), ("rollout_sequence_weight", "product")),
     (("off_policy_mask_threshold", 0.05),),
+    (("logit_scale", 1.5), ("logit_softcap", 3.0)),
 )
 
 

@@ -162,7 +162,10 @@ def log_prob_precision(built) -> torch.Tensor:
     logits near 0 is not good to 1e-9). verify.STATS_LIMIT (3e-6) is the same bound for rows
     of V = 12388."""
     temperature = built.options.get("temperature", 1.0)
-    rows = built.logits64.reshape(-1, built.logits64.shape[-1]).abs() * built.options.get("logit_scale", 1.0) / temperature
+    rows = built.logits64.reshape(-1, built.logits64.shape[-1]).abs() * built.options.get("logit_scale", 1.0)
+    if built.options.get("logit_softcap") is not None:
+        rows = built.options["logit_softcap"] * torch.tanh(rows / built.options["logit_softcap"])
+    rows = rows / temperature
     rows = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
     peak = rows.max(-1).values if rows.shape[-1] else torch.zeros(rows.shape[0], dtype=torch.float64)
     return 2 * F32_RELATIVE * (1.0 + peak)

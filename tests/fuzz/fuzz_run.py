@@ -297,7 +297,8 @@ def run_selective_log_softmax(built: Built) -> list[str]:
     base = built.base.clone().requires_grad_()
     out = _under_test(lambda: gk.selective_log_softmax(
         built.view(base), built.targets, temperature, case.return_entropy, backend=case.backend,
-        inplace=built.options.get("inplace", False), mask=built.mask, logit_scale=built.options.get("logit_scale", 1.0)))
+        inplace=built.options.get("inplace", False), mask=built.mask, logit_scale=built.options.get("logit_scale", 1.0),
+        logit_softcap=built.options.get("logit_softcap")))
     lp, ent = out if case.return_entropy else (out, None)
     outs, ups = [lp], [g.reshape(built.token_shape).to(lp.dtype)]
     if ent is not None:
@@ -310,7 +311,8 @@ def run_selective_log_softmax(built: Built) -> list[str]:
 
     base64 = built.base.double().requires_grad_()
     ref_lp, ref_ent = reference._token_logprobs_and_entropy(built.view(base64), built.targets, temperature,
-                                                           built.in_response, built.options.get("logit_scale", 1.0))
+                                                           built.in_response, built.options.get("logit_scale", 1.0),
+                                                           built.options.get("logit_softcap"))
     ref_outs, ref_ups = [ref_lp], [g]
     if ent is not None:
         ref_outs.append(ref_ent)

@@ -41,6 +41,7 @@ def loss_options(draw, entry: str, packed: bool):
     if entry != "policy_loss":  # the log-probs are given there: no temperature applies
         opts["temperature"] = draw(st.sampled_from([1.0, 0.7, 1.5]))
         opts["logit_scale"] = draw(st.sampled_from([1.0, 1.0, 0.3, 2.5]))  # a model's multiplier
+        opts["logit_softcap"] = draw(st.sampled_from([None, None, 3.0, 30.0]))  # and soft-cap
     opts["loss_agg"] = draw(st.sampled_from(gk_config.LOSS_AGGS))
     if opts["loss_agg"] == "seq-mean-token-sum-norm":  # the horizon: required when packed
         opts["max_len"] = draw(st.integers(1, 12) if packed else st.one_of(st.none(), st.integers(1, 12)))
@@ -115,7 +116,8 @@ def fuzz_cases(draw, entry: str, backend: str):
         case["return_entropy"] = draw(st.booleans())
         if draw(st.booleans()):
             case["options"] = {"temperature": draw(st.sampled_from([0.7, 1.5])), "inplace": draw(st.booleans()),
-                               "logit_scale": draw(st.sampled_from([1.0, 0.3, 2.5]))}
+                               "logit_scale": draw(st.sampled_from([1.0, 0.3, 2.5])),
+                               "logit_softcap": draw(st.sampled_from([None, 3.0, 30.0]))}
         return FuzzCase(**case)
 
     opts = draw(loss_options(entry, packed))

@@ -35,18 +35,18 @@ def main() -> int:
             K.token_stats_kernel,
             {"logits_ptr": f"*{dtype}", "targets_ptr": "*i64", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
              "lse_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64",
-             "vocab": "i32", "inv_temperature": "fp32"},
-            {"BLOCK_V": block},
+             "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32"},
+            {"HAS_SOFTCAP": dtype == "bf16", "BLOCK_V": block},  # the soft-capped map once
             aligned=["logits_ptr", "targets_ptr", "logp_ptr", "entropy_ptr", "lse_ptr", "stride_b", "stride_t", "vocab"],
         )))
         for has_h, has_mask in ((False, True), (True, False)):
-            compiled.append((dtype, f"logits_grad(entropy={has_h}, mask={has_mask})", compile_kernel(
+            compiled.append((dtype, f"logits_grad(entropy={has_h}, mask={has_mask}, softcap={has_h})", compile_kernel(
                 K.logits_grad_kernel,
                 {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "lse_ptr": "*fp32",
                  "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
                  "row_mask_ptr": "*i1", "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64", "grad_stride_b": "i64",
-                 "grad_stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32"},
-                {"HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": has_mask, "BLOCK_V": block},
+                 "grad_stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32"},
+                {"HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": has_mask, "HAS_SOFTCAP": has_h, "BLOCK_V": block},
                 aligned=["logits_ptr", "grad_ptr", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "vocab"],
             )))
     failures = 0
@@ -94,21 +94,23 @@ def compile_linear_kernels() -> int:
         blocks = {"BLOCK_N": tiles.block_n, "BLOCK_V": tiles.block_v, "BLOCK_H": tiles.block_h}
         common = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "targets_ptr": "*i64"}
         sizes = {"n_rows": "i32", "vocab": "i32", "hidden_size": "i32", "stride_h": "i64", "stride_w": "i64",
-                 "inv_temperature": "fp32"}
+                 "inv_temperature": "fp32", "softcap": "fp32"}
         kernels = [("linear_token_stats", L.linear_token_stats_kernel,
                     {**common, "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", **sizes},
-                    {"HAS_BIAS": True, "IEEE": ieee, **blocks})]
+                    {"HAS_BIAS": True, "HAS_SOFTCAP": False, "IEEE": ieee, **blocks})]
         for has_h in (False, True):
-            kernels.append((f"linear_grad(entropy={has_h})", L.linear_grad_kernel,
+            kernels.append((f"linear_grad(entropy={has_h}, softcap={has_h})", L.linear_grad_kernel,
                             {**common, "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32",
                              "grad_entropy_ptr": "*fp32", "row_mask_ptr": "*i1", "dh_ptr": "*fp32", "dw_ptr": "*fp32",
                              "db_ptr": "*fp32", **sizes, "filter_eps": "fp32"},
                             {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": True, "NEED_DH": True,
-                             "NEED_DW": True, "NEED_DB": True, "FILTER": True, "IEEE": ieee, **blocks}))
+                             "NEED_DW": True, "NEED_DB": True, "FILTER": True, "HAS_SOFTCAP": has_h, "IEEE": ieee,
+                             **blocks}))
         # The batch-invariant backward (LinearConfig.batch_invariant): no atomics, fixed sum order.
         stage3 = {**common, "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32",
                   "grad_entropy_ptr": "*fp32", "row_mask_ptr": "*i1"}
-        flags = {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True, "HAS_ROW_MASK": True, "IEEE": ieee, **blocks}
+        flags = {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True, "HAS_ROW_MASK": True, "HAS_SOFTCAP": False, "IEEE": ieee,
+                 **blocks}
         kernels.append(("linear_hidden_grad(invariant)", L.linear_hidden_grad_kernel,
                         {**stage3, "dh_ptr": "*fp32", **sizes}, flags))
         kernels.append(("linear_weight_grad(invariant)", L.linear_weight_grad_kernel,

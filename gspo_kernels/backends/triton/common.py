@@ -7,8 +7,9 @@ z * exp(z) keeps H accurate when the logits sit far from zero. Two such triples 
 disjoint sets merge exactly (`merge_softmax_stats`), which is all an online loop does, over a
 row's vocab blocks (row_kernels.py) or a tile's (tile_kernels.py).
 
-Stage 3, per element, with p = softmax(z):
-    dLoss/dx = (g * (1[v == y] - p) - h * p * (log p + H)) / temperature
+z is the logit map of x (contract.GradInputs): inv_temperature * x, or with a soft-cap
+softcap * tanh(inv_temperature * x) (`map_logits`). Stage 3, per element, with p = softmax(z):
+    dLoss/dx = (g * (1[v == y] - p) - h * p * (log p + H)) * dz/dx
 and the row rule of csrc/gspo_math.h (row_action): rows outside the loss get zeros; a row in
 the loss with no finite softmax (a NaN or +inf logit, or all -inf) or a bad target gets NaN;
 a row with g = h = 0 gets zeros. None of these is read.
@@ -28,6 +29,43 @@ LOG_FLOOR = tl.constexpr(_LOG_FLOOR)
 def _finite_or_zero(m):
     # A set with no finite logit has m = -inf; shifting by 0 instead keeps exp() NaN-free.
     return tl.where(m == -float("inf"), 0.0, m)
+
+
+@triton.jit
+def _tanh(y):
+    """tanh from tl.exp alone (libdevice's does not run in the interpreter): (1 - e) / (1 + e),
+    e = exp(-2|y|), for |y| >= 0.4, +-1 at +-inf, NaN for NaN; below 0.4, where 1 - e would lose
+    digits, tanh's series to y^13 (the next term is under 4e-9 of tanh there)."""
+    a = tl.abs(y)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    y2 = y * y
+    p = -1382.0 / 155925.0 + y2 * (21844.0 / 6081075.0)
+    p = 62.0 / 2835.0 + y2 * p
+    p = -17.0 / 315.0 + y2 * p
+    p = 2.0 / 15.0 + y2 * p
+    p = -1.0 / 3.0 + y2 * p
+    return tl.where(a < 0.4, y + y * y2 * p, tl.where(y < 0, -big, big))
+
+
+@triton.jit
+def map_logits(x, inv_temperature, softcap, HAS_SOFTCAP: tl.constexpr):
+    """z of float32 logits x: inv_temperature * x, or softcap * tanh(inv_temperature * x)."""
+    y = x * inv_temperature
+    if HAS_SOFTCAP:
+        y = softcap * _tanh(y)
+    return y
+
+
+@triton.jit
+def logit_slope(z, inv_temperature, softcap, HAS_SOFTCAP: tl.constexpr):
+    """dz/dx from z: inv_temperature * softcap * (1 - t^2), t = z / softcap: exactly 0 where z
+    saturates (t = +-1), as in float64."""
+    slope = inv_temperature
+    if HAS_SOFTCAP:  # one return: compiled Triton refuses returns of different types
+        t = z / softcap
+        slope = (inv_temperature * softcap) * (1.0 - t * t)
+    return slope
 
 
 @triton.jit
@@ -79,17 +117,18 @@ def row_rule(lse, bad_target, g, h, in_loss, HAS_ENTROPY_GRAD: tl.constexpr):
 
 
 @triton.jit
-def grad_term(log_p, g, h, entropy, is_target, compute, make_nan, inv_temperature,
+def grad_term(log_p, g, h, entropy, is_target, compute, make_nan, slope,
               HAS_ENTROPY_GRAD: tl.constexpr):
-    """(dLoss/dx, p) of a block from log p = z - lse; the row rule applied (zeros where not
-    `compute`, NaN where `make_nan`). g, h, entropy broadcast against log_p."""
+    """(dLoss/dx, p) of a block from log p = z - lse and dz/dx (`slope`, a scalar or like
+    log_p); the row rule applied (zeros where not `compute`, NaN where `make_nan`). g, h,
+    entropy broadcast against log_p."""
     p = tl.exp(log_p)
     if HAS_ENTROPY_GRAD:
         coef = g + h * (tl.maximum(log_p, LOG_FLOOR) + entropy)
     else:
         coef = g
     grad = -p * coef + tl.where(is_target, g, 0.0)
-    grad = tl.where(compute, grad * inv_temperature, 0.0)
+    grad = tl.where(compute, grad * slope, 0.0)
     return tl.where(make_nan, float("nan"), grad), p
 
 

@@ -8,22 +8,24 @@ module is imported (TRITON_INTERPRET=1).
 import triton
 import triton.language as tl
 
-from .common import block_softmax_stats, finish_stats, grad_term, merge_softmax_stats, row_rule
+from .common import block_softmax_stats, finish_stats, grad_term, logit_slope, map_logits, merge_softmax_stats, row_rule
 
 
 @triton.jit
-def _load_scaled(row_ptr, idx, vocab, inv_temperature):
-    z = tl.load(row_ptr + idx, mask=idx < vocab, other=-float("inf"))
-    return z.to(tl.float32) * inv_temperature
+def _load_mapped(row_ptr, idx, vocab, inv_temperature, softcap, HAS_SOFTCAP: tl.constexpr):
+    # Columns past the vocab stay -inf (no mass) after the map, which would make them -softcap.
+    x = tl.load(row_ptr + idx, mask=idx < vocab, other=0.0).to(tl.float32)
+    return tl.where(idx < vocab, map_logits(x, inv_temperature, softcap, HAS_SOFTCAP), -float("inf"))
 
 
 @triton.jit
-def online_softmax_stats(row_ptr, vocab, inv_temperature, BLOCK_V: tl.constexpr):
+def online_softmax_stats(row_ptr, vocab, inv_temperature, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """The online-softmax loop: (m, s, a) of one row, reading it once."""
     cols = tl.arange(0, BLOCK_V)
-    m, s, a = block_softmax_stats(_load_scaled(row_ptr, cols, vocab, inv_temperature), 0)
+    m, s, a = block_softmax_stats(_load_mapped(row_ptr, cols, vocab, inv_temperature, softcap, HAS_SOFTCAP), 0)
     for start in range(BLOCK_V, vocab, BLOCK_V):
-        bm, bs, ba = block_softmax_stats(_load_scaled(row_ptr, start + cols, vocab, inv_temperature), 0)
+        z = _load_mapped(row_ptr, start + cols, vocab, inv_temperature, softcap, HAS_SOFTCAP)
+        bm, bs, ba = block_softmax_stats(z, 0)
         m, s, a = merge_softmax_stats(m, s, a, bm, bs, ba)
     return m, s, a
 
@@ -37,17 +39,18 @@ def _row_offset(row, rows_per_batch, stride_b, stride_t):
 @triton.jit
 def token_stats_kernel(
     logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
-    rows_per_batch, stride_b, stride_t, vocab, inv_temperature,
-    BLOCK_V: tl.constexpr,
+    rows_per_batch, stride_b, stride_t, vocab, inv_temperature, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + _row_offset(row, rows_per_batch, stride_b, stride_t)
-    m, s, a = online_softmax_stats(row_ptr, vocab, inv_temperature, BLOCK_V)
+    m, s, a = online_softmax_stats(row_ptr, vocab, inv_temperature, softcap, HAS_SOFTCAP, BLOCK_V)
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = (target >= 0) & (target < vocab)
     # Guarded load: an out-of-range target never reads outside the row; its logp is NaN.
     z_target = tl.load(row_ptr + tl.where(valid, target, 0), mask=valid, other=0.0)
-    logp, entropy, lse = finish_stats(m, s, a, z_target.to(tl.float32) * inv_temperature, valid)
+    z_target = map_logits(z_target.to(tl.float32), inv_temperature, softcap, HAS_SOFTCAP)
+    logp, entropy, lse = finish_stats(m, s, a, z_target, valid)
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
@@ -56,8 +59,8 @@ def token_stats_kernel(
 @triton.jit
 def logits_grad_kernel(
     logits_ptr, grad_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
-    rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t, vocab, inv_temperature,
-    HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+    rows_per_batch, stride_b, stride_t, grad_stride_b, grad_stride_t, vocab, inv_temperature, softcap,
+    HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dLoss/dx of one row in grad's dtype (common.grad_term, under common.row_rule)."""
     row = tl.program_id(0).to(tl.int64)
@@ -79,7 +82,8 @@ def logits_grad_kernel(
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, vocab, BLOCK_V):
         idx = start + cols
-        z = tl.load(row_ptr + idx, mask=idx < read_limit, other=0.0).to(tl.float32) * inv_temperature
-        grad, _ = grad_term(z - lse, g, h, entropy, idx == target, compute, make_nan, inv_temperature,
-                            HAS_ENTROPY_GRAD)
+        x = tl.load(row_ptr + idx, mask=idx < read_limit, other=0.0).to(tl.float32)
+        z = map_logits(x, inv_temperature, softcap, HAS_SOFTCAP)
+        grad, _ = grad_term(z - lse, g, h, entropy, idx == target, compute, make_nan,
+                            logit_slope(z, inv_temperature, softcap, HAS_SOFTCAP), HAS_ENTROPY_GRAD)
         tl.store(out_ptr + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < vocab)

@@ -25,7 +25,8 @@ here), for no change in the generated code.
 import triton
 import triton.language as tl
 
-from .common import INTERPRETED, block_softmax_stats, finish_stats, grad_term, merge_softmax_stats, row_rule
+from .common import (INTERPRETED, block_softmax_stats, finish_stats, grad_term, logit_slope, map_logits,
+                     merge_softmax_stats, row_rule)
 
 
 # In the interpreter tl.dot is numpy's matmul, whose BLAS gives a row different bits at another
@@ -47,9 +48,10 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
-                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
-    """(BLOCK_N, BLOCK_V) float32 logits / temperature; -inf outside the vocab."""
+                 softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) float32 logits through the logit map (common.map_logits); -inf
+    outside the vocab."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_H)
     row_ok = rows[:, None] < n_rows
@@ -62,15 +64,15 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, st
         acc = _dot(h, tl.trans(w), acc, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)[None, :]
-    return tl.where(cols[None, :] < vocab, acc * inv_temperature, -float("inf"))
+    return tl.where(cols[None, :] < vocab, map_logits(acc, inv_temperature, softcap, HAS_SOFTCAP), -float("inf"))
 
 
 @triton.jit
 def linear_token_stats_kernel(
     h_ptr, w_ptr, b_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
-    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
@@ -83,7 +85,7 @@ def linear_token_stats_kernel(
     for v0 in range(0, vocab, BLOCK_V):
         idx = v0 + cols
         z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, idx, n_rows, vocab, hidden_size, stride_h, stride_w,
-                         inv_temperature, HAS_BIAS, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+                         inv_temperature, softcap, HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
         bm, bs, ba = block_softmax_stats(z, 1)
         m, s, a = merge_softmax_stats(m, s, a, bm, bs, ba)
         z_target += tl.sum(tl.where(idx[None, :] == target[:, None], z, 0.0), 1)
@@ -96,9 +98,10 @@ def linear_token_stats_kernel(
 @triton.jit
 def _grad_tile(
     h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
-    rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, filter_eps,
+    rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, FILTER: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """(dz, active) of one (rows, cols) tile: its float32 gradient, recomputed from the logits,
     and whether its products are needed (always, unless FILTER)."""
@@ -119,11 +122,12 @@ def _grad_tile(
     # rank holds arrives as a NaN lse, set by the caller.
     make_nan, compute = row_rule(lse, False, g, hg, in_loss, HAS_ENTROPY_GRAD)
     z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w,
-                     inv_temperature, HAS_BIAS, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+                     inv_temperature, softcap, HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
     col_ok = cols[None, :] < vocab
     log_p = z - tl.where(compute, lse, 0.0)[:, None]
     dz, p = grad_term(log_p, g[:, None], hg[:, None], entropy[:, None], cols[None, :] == target[:, None],
-                      compute[:, None] & col_ok, make_nan[:, None] & col_ok, inv_temperature, HAS_ENTROPY_GRAD)
+                      compute[:, None] & col_ok, make_nan[:, None] & col_ok,
+                      logit_slope(z, inv_temperature, softcap, HAS_SOFTCAP), HAS_ENTROPY_GRAD)
     active = 1
     if FILTER:
         # Skip the tile when each row's probability mass in it is below filter_eps, no row's
@@ -144,17 +148,17 @@ def _grad_tile(
 def linear_grad_kernel(
     h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
     dh_ptr, dw_ptr, db_ptr,
-    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, filter_eps,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, NEED_DH: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, FILTER: tl.constexpr, IEEE: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, FILTER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
                             row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
-                            filter_eps, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, FILTER, IEEE, BLOCK_N, BLOCK_V,
-                            BLOCK_H)
+                            softcap, filter_eps, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, FILTER, HAS_SOFTCAP, IEEE,
+                            BLOCK_N, BLOCK_V, BLOCK_H)
     if active:
         # 16-bit inputs: dz rounded once to their dtype for the tensor-core products (as
         # Liger and Cut Cross Entropy do); float32 inputs keep it in float32.
@@ -187,9 +191,9 @@ def linear_grad_kernel(
 @triton.jit
 def linear_hidden_grad_kernel(
     h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr, dh_ptr,
-    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, softcap,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """d hidden of one block of rows: the vocab tiles' dz @ W added in vocab order. A row's sum
     then follows only its own dz and the fixed tile shape, not the rows beside it."""
@@ -199,8 +203,8 @@ def linear_hidden_grad_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr,
                                 grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
-                                stride_w, inv_temperature, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, False,
-                                IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+                                stride_w, inv_temperature, softcap, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK,
+                                False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
         dz_in = dz.to(h_ptr.dtype.element_ty)
         for k0 in range(0, hidden_size, BLOCK_H):
             kk = k0 + ks
@@ -218,9 +222,9 @@ def linear_hidden_grad_kernel(
 def linear_weight_grad_kernel(
     h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
     dw_ptr, db_ptr,
-    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
+    n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, softcap,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    NEED_DB: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """d weight and d bias of one vocab tile: the row blocks' dz.T @ H added in row order."""
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -230,8 +234,8 @@ def linear_weight_grad_kernel(
         rows = n0 + tl.arange(0, BLOCK_N)
         dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr,
                                 grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
-                                stride_w, inv_temperature, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, False,
-                                IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+                                stride_w, inv_temperature, softcap, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK,
+                                False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
         if NEED_DB:
             bias_sum += tl.sum(dz, 0)
         if NEED_DW:

@@ -56,7 +56,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("gspo_kernels::triton_tile_token_stats", mutates_args=())
 def _token_stats_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    inv_temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    inv_temperature: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = TileConfig.default(hidden.dtype)
     hidden, weight = _rows(hidden), _rows(weight)
     n_rows, hidden_size = hidden.shape
@@ -65,22 +65,23 @@ def _token_stats_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if n_rows:
         kernels.linear_token_stats_kernel[(triton.cdiv(n_rows, tiles.block_n),)](
             hidden, weight, weight if bias is None else bias, targets, logp, entropy, lse,
-            n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature,
-            HAS_BIAS=bias is not None, IEEE=_ieee(hidden),
+            n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature, softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, IEEE=_ieee(hidden),
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, num_warps=tiles.num_warps,
         )
     return logp, entropy, lse
 
 
 @_token_stats_op.register_fake
-def _(hidden, weight, bias, targets, inv_temperature):
+def _(hidden, weight, bias, targets, inv_temperature, softcap=0.0):
     return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
 
 
-def token_stats(hidden, weight, bias, targets, inv_temperature: float):
-    """(logp, entropy, lse), each `[N]` float32, of the logits hidden @ weight.T + bias.
-    targets: `[N]` int64, local ids (an id outside [0, V) gives a NaN log-prob)."""
-    return _token_stats_op(hidden, weight, bias, targets, inv_temperature)
+def token_stats(hidden, weight, bias, targets, inv_temperature: float, softcap: float = 0.0):
+    """(logp, entropy, lse), each `[N]` float32, of the logits hidden @ weight.T + bias through
+    the logit map (inv_temperature, softcap: contract.GradInputs). targets: `[N]` int64, local
+    ids (an id outside [0, V) gives a NaN log-prob)."""
+    return _token_stats_op(hidden, weight, bias, targets, inv_temperature, softcap)
 
 
 def _grad_shapes(hidden, weight, need_hidden: bool, need_weight: bool, need_bias: bool):
@@ -93,7 +94,7 @@ def _grad_shapes(hidden, weight, need_hidden: bool, need_weight: bool, need_bias
 @torch.library.custom_op("gspo_kernels::triton_tile_grads", mutates_args=())
 def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
               lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None,
-              row_mask: torch.Tensor | None, inv_temperature: float, need_hidden: bool, need_weight: bool,
+              row_mask: torch.Tensor | None, inv_temperature: float, softcap: float, need_hidden: bool, need_weight: bool,
               need_bias: bool, filter_eps: float, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = TileConfig.default(hidden.dtype)
     need_bias = need_bias and bias is not None
@@ -104,7 +105,7 @@ def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     vocab = weight.shape[0]
     if n_rows and invariant:
         _launch_invariant(tiles, (hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask),
-                          (d_hidden, d_weight, d_bias), inv_temperature, (need_hidden, need_weight, need_bias))
+                          (d_hidden, d_weight, d_bias), (inv_temperature, softcap), (need_hidden, need_weight, need_bias))
     elif n_rows and (need_hidden or need_weight or need_bias):
         dummy = lse  # stands in for every pointer a flag says is never read
         grid = (triton.cdiv(n_rows, tiles.block_n), triton.cdiv(vocab, tiles.block_v))
@@ -112,16 +113,17 @@ def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             hidden, weight, weight if bias is None else bias, targets, lse, entropy, grad_logp,
             dummy if grad_entropy is None else grad_entropy, targets if row_mask is None else row_mask,
             d_hidden, d_weight, d_bias,
-            n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature, filter_eps,
+            n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature, softcap, filter_eps,
             HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None, HAS_ROW_MASK=row_mask is not None,
             NEED_DH=need_hidden, NEED_DW=need_weight, NEED_DB=need_bias, FILTER=filter_eps > 0,
+            HAS_SOFTCAP=softcap > 0.0,
             IEEE=_ieee(hidden),
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, num_warps=tiles.num_warps,
         )
     return d_hidden, d_weight, d_bias
 
 
-def _launch_invariant(tiles: TileConfig, inputs: tuple, outputs: tuple, inv_temperature: float, need) -> None:
+def _launch_invariant(tiles: TileConfig, inputs: tuple, outputs: tuple, logit_map: tuple, need) -> None:
     """The batch-invariant backward: d hidden by row blocks, d weight and d bias by vocab tiles,
     each summed in a fixed order (no atomics)."""
     hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask = inputs
@@ -131,9 +133,10 @@ def _launch_invariant(tiles: TileConfig, inputs: tuple, outputs: tuple, inv_temp
     vocab = weight.shape[0]
     operands = (hidden, weight, weight if bias is None else bias, targets, lse, entropy, grad_logp,
                 lse if grad_entropy is None else grad_entropy, targets if row_mask is None else row_mask)
-    sizes = (n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature)
+    inv_temperature, softcap = logit_map
+    sizes = (n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), inv_temperature, softcap)
     flags = dict(HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None,
-                 HAS_ROW_MASK=row_mask is not None, IEEE=_ieee(hidden), BLOCK_N=tiles.block_n,
+                 HAS_ROW_MASK=row_mask is not None, HAS_SOFTCAP=softcap > 0.0, IEEE=_ieee(hidden), BLOCK_N=tiles.block_n,
                  BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, num_warps=tiles.num_warps)
     if need_hidden:
         kernels.linear_hidden_grad_kernel[(triton.cdiv(n_rows, tiles.block_n),)](*operands, d_hidden, *sizes, **flags)
@@ -143,7 +146,7 @@ def _launch_invariant(tiles: TileConfig, inputs: tuple, outputs: tuple, inv_temp
 
 
 @_grads_op.register_fake
-def _(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature,
+def _(hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap,
       need_hidden, need_weight, need_bias, filter_eps, invariant=False):
     shapes = _grad_shapes(hidden, weight, need_hidden, need_weight, need_bias and bias is not None)
     return tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in shapes)
