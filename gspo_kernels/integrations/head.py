@@ -34,9 +34,10 @@ def _call_as_forward(module: torch.nn.Module, fn, *args):
 
 def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                      mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                     linear: LinearConfig | None = None, logit_scale: float = 1.0):
-    """(log-probs, entropies) of `targets` under softmax(head(hidden) * logit_scale / temperature)
-    (logit_scale: the model's own multiplier, model_logits.logit_scale_of), from
+                     linear: LinearConfig | None = None, logit_scale: float = 1.0,
+                     logit_softcap: float | None = None):
+    """(log-probs, entropies) of `targets` under softmax(softcap(head(hidden) * logit_scale) /
+    temperature) (the model's own multiplier and soft-cap: model_logits.py), from
     fused_linear_selective_log_softmax on the head's weight and bias as its own forward sees
     them. dtype: what hidden, weight and bias are cast to (float32 for TRL's
     cast_lm_head_to_fp32; verl's fused forwards use the hidden states'); None: the weight's.
@@ -61,6 +62,7 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
         with torch.autocast(hidden.device.type, enabled=False):
             return fused_linear_selective_log_softmax(hidden.to(weight.dtype), weight, targets, bias=bias,
                                                       temperature=temperature, return_entropy=True, mask=mask,
-                                                      logit_scale=logit_scale, linear=linear)
+                                                      logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                                      linear=linear)
 
     return _call_as_forward(head, stats, hidden)

@@ -28,7 +28,7 @@ from accelerate.utils import is_peft_model
 from ...config import GSPOConfig, LinearConfig
 from ...policy_loss import policy_loss
 from ..head import head_token_stats
-from ..model_logits import logit_scale_of, unsupported_logit_transform
+from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
 from . import options
 from .metrics import log_trl_metrics
 from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
@@ -57,6 +57,7 @@ class _StatsRequest:
     mask: torch.Tensor  # (B, C) bool: the rows in the loss
     temperature: float
     logit_scale: float  # the model's own multiplier on its logits (model_logits.py)
+    logit_softcap: float | None  # the model's own soft-cap (model_logits.py)
     head_in_fp32: bool
     linear: LinearConfig  # how the fused-linear call runs (options.linear_config)
 
@@ -81,7 +82,7 @@ def _install_stats_forward(model) -> None:
         # (ZeRO-3) for it, as for its forward.
         return head_token_stats(self.get_output_embeddings(), hidden, gspo_stats.targets,
                                 temperature=gspo_stats.temperature, logit_scale=gspo_stats.logit_scale,
-                                mask=gspo_stats.mask,
+                                logit_softcap=gspo_stats.logit_softcap, mask=gspo_stats.mask,
                                 dtype=torch.float32 if gspo_stats.head_in_fp32 else None, linear=gspo_stats.linear)
 
     model.forward = types.MethodType(forward, model)
@@ -140,8 +141,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _gspo_stats(self, model, input_ids, attention_mask, completion_len: int):
         """(log-probs, entropies) of the completion tokens, through the model's patched forward."""
+        model_config = self.accelerator.unwrap_model(model).config
         request = _StatsRequest(input_ids[:, -completion_len:], attention_mask[:, -completion_len:] != 0,
-                                self.temperature, logit_scale_of(self.accelerator.unwrap_model(model).config),
+                                self.temperature, logit_scale_of(model_config), logit_softcap_of(model_config),
                                 bool(self.args.cast_lm_head_to_fp32),
                                 options.linear_config(TRLSettings.of(self)))
         with self.accelerator.autocast():  # the trainer's mixed precision for the backbone, as TRL runs it

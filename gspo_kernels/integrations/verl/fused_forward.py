@@ -9,7 +9,7 @@ import torch
 from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
 
 from ..head import head_token_stats
-from ..model_logits import logit_scale_of, unsupported_logit_transform
+from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
 
 BACKEND = "gspo_kernels"
 LINEAR_ATTRIBUTE = "gspo_kernels_linear"  # the LinearConfig a built model's fused forward runs with
@@ -36,7 +36,7 @@ def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, positio
     else:
         raise RuntimeError("forward_with_gspo_kernels needs labels, shift_labels or input_ids")
     # verl's own fused kernels take neither the model's logit scale nor its soft-cap: ours take
-    # the scale (model_logits.py), and refuse what they cannot apply rather than drop it.
+    # both (model_logits.py), and refuse what they cannot apply rather than drop it.
     transform = unsupported_logit_transform(self.config)
     if transform is not None:
         raise NotImplementedError(f"gspo_kernels' fused forward does not apply this model's {transform}; set "
@@ -45,6 +45,7 @@ def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, positio
     hidden = outputs[0]
     log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype,
                                           linear=getattr(self, LINEAR_ATTRIBUTE, None),
-                                          logit_scale=logit_scale_of(self.config))
+                                          logit_scale=logit_scale_of(self.config),
+                                          logit_softcap=logit_softcap_of(self.config))
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)

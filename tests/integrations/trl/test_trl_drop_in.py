@@ -394,9 +394,10 @@ def test_without_batch_invariant_the_log_probs_can_differ(invariant_trainer):
         pytest.skip("without batch_invariant every sequence got the same bits alone and in the batch on this machine")
 
 
-@pytest.mark.parametrize("kind", ["cohere", "granite"])
-def test_scaled_logits_run_fused_and_match_trl(tmp_path, kind):
-    # The model's own multiplier reaches the kernels (model_logits.py): no fallback, TRL's result.
+@pytest.mark.parametrize("kind", ["cohere", "granite", "gemma2"])
+def test_transformed_logits_run_fused_and_match_trl(tmp_path, kind):
+    # The model's own multiplier or soft-cap reaches the kernels (model_logits.py): no fallback,
+    # TRL's result.
     base = tiny_transformed_logits_model(kind)
     pair = tuple(_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__, temperature=0.7)
                  for cls in (trl.GRPOTrainer, GRPOTrainer))
@@ -406,19 +407,13 @@ def test_scaled_logits_run_fused_and_match_trl(tmp_path, kind):
     assert not pair[1]._gspo_in_fallback
 
 
-def test_scaled_logits_change_the_result(tmp_path):
-    # The control: the same Cohere with its scale left out gives other log-probs than TRL's.
-    base = tiny_transformed_logits_model("cohere")
+@pytest.mark.parametrize("kind, attribute, plain", [("cohere", "logit_scale", 1.0),
+                                                    ("gemma2", "final_logit_softcapping", None)])
+def test_transformed_logits_change_the_result(tmp_path, kind, attribute, plain):
+    # The control: the same model with its transform left out of ours gives other results than TRL's.
+    base = tiny_transformed_logits_model(kind)
     theirs, ours = (_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__)
                     for cls in (trl.GRPOTrainer, GRPOTrainer))
-    ours.model.config.logit_scale = 1.0
+    setattr(ours.model.config, attribute, plain)
     with pytest.raises(AssertionError):
         _compare((theirs, ours), dict(level="sequence", loss_type="grpo", beta=0.0))
-
-
-def test_soft_capped_logits_fall_back_to_trl(tmp_path):
-    base = tiny_transformed_logits_model("gemma2")
-    pair = tuple(_trainer(cls, copy.deepcopy(base), tmp_path / cls.__module__)
-                 for cls in (trl.GRPOTrainer, GRPOTrainer))
-    with pytest.warns(UserWarning, match="final_logit_softcapping"):
-        _compare(pair, dict(level="sequence", loss_type="grpo", beta=0.0))

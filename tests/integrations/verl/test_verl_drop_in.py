@@ -168,9 +168,9 @@ def test_fused_forward_matches_the_logits(temperature):
     assert torch.allclose(out.entropy.double(), want_entropy, atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", ["cohere", "granite"])
-def test_fused_forward_applies_the_models_logit_scale(kind):
-    # verl's own fused kernels drop the model's multiplier; ours take it (model_logits.py):
+@pytest.mark.parametrize("kind", ["cohere", "granite", "gemma2"])
+def test_fused_forward_applies_the_models_logit_transform(kind):
+    # verl's own fused kernels drop the model's multiplier and soft-cap; ours take them (model_logits.py):
     # log-probs, entropies and every parameter's gradient against the model's own float64 logits.
     from verl.models.transformers import monkey_patch
 
@@ -195,14 +195,15 @@ def test_fused_forward_applies_the_models_logit_scale(kind):
         assert torch.allclose(p.grad.double(), q.grad, rtol=1e-3, atol=1e-5), name
 
 
-def test_fused_forward_refuses_a_soft_capped_model():
+def test_fused_forward_refuses_a_scale_of_unknown_direction():
     from verl.models.transformers import monkey_patch
 
-    model = tiny_transformed_logits_model("gemma2")
+    model = tiny_llama(vocab=64)
+    model.config.logits_scaling = 3.0  # no Llama applies it: its direction is not known
     original = type(model).forward
     try:
         monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
-        with pytest.raises(NotImplementedError, match="final_logit_softcapping.*use_fused_kernels=False"):
+        with pytest.raises(NotImplementedError, match="logits_scaling.*use_fused_kernels=False"):
             model(input_ids=torch.randint(0, 60, (2, 5)), temperature=1.0, return_dict=True)
     finally:
         type(model).forward = original
