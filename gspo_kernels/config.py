@@ -114,8 +114,23 @@ def _bool(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
 
 
+class _NamedOptions:
+    """Base of the option dataclasses: a keyword that is no option is refused with the nearest
+    valid name and the list of them (_raise_unknown), where Python's own error names neither."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args, **kwargs):
+        valid = _OPTION_NAMES.get(cls)
+        if kwargs and valid is not None:
+            unknown = [name for name in kwargs if name not in valid]
+            if unknown:
+                _raise_unknown(cls, unknown, valid)
+        return super().__new__(cls)
+
+
 @dataclass(frozen=True)
-class GSPOConfig:
+class GSPOConfig(_NamedOptions):
     """Options of the GSPO loss. docs/semantics.md says what each one does.
 
     Floats stay Python floats: the kernels take them as runtime arguments, so a new value
@@ -232,7 +247,7 @@ class GSPOConfig:
 
 
 @dataclass(frozen=True)
-class LinearConfig:
+class LinearConfig(_NamedOptions):
     """How fused_linear_gspo_loss and fused_linear_selective_log_softmax run (docs/fused_linear.md).
 
     chunk_size: rows of float32 logits formed at a time (None: a memory budget decides).

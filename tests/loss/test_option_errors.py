@@ -25,12 +25,22 @@ def _logits_problem():
 ])
 def test_unknown_option_names_the_fix(options, words):
     logits, targets, old, adv = _logits_problem()
-    for call in (lambda: gk.gspo_loss(logits, targets, old, adv, **options),
-                 lambda: gk.policy_loss(old, old, adv, **options)):
+    calls = [lambda: gk.gspo_loss(logits, targets, old, adv, **options),
+             lambda: gk.policy_loss(old, old, adv, **options), lambda: gk.GSPOLoss(**options)]
+    if "chunksize" not in options:  # a LinearConfig option's hint is for the fused-linear entry points
+        calls.append(lambda: gk.GSPOConfig(**options))
+    for call in calls:
         with pytest.raises(TypeError) as error:
             call()
         for word in words:
             assert word in str(error.value), (word, str(error.value))
+
+
+def test_the_option_classes_themselves_name_the_fix():
+    with pytest.raises(TypeError, match="unknown LinearConfig option.*did you mean 'chunk_size'.*valid: chunk_size"):
+        gk.LinearConfig(chunksize=4)
+    with pytest.raises(TypeError, match="unknown GSPOConfig option.*'epsilon': ours is eps_low"):
+        gk.GSPOConfig(epsilon=0.2)
 
 
 def test_fused_linear_unknown_option_and_linear_mix():

@@ -95,6 +95,10 @@ def gspo_config(settings: TRLSettings) -> GSPOConfig:
                    top_entropy_quantile=settings.top_entropy_quantile,
                    log_ratio_clamp=(None, None))  # TRL exponentiates its log-ratios unclamped
     if settings.loss_type == "cispo":
+        if not settings.epsilon_high >= 1.0:  # in TRL's terms: ours would say eps_high = epsilon_high - 1 < 0
+            raise ValueError(f"loss_type='cispo' caps the importance ratio at epsilon_high = {settings.epsilon_high}, "
+                             "below 1 (TRL sets epsilon_high to epsilon when it is left unset), so every ratio "
+                             "above it is cut; the fused loss takes a cap >= 1: set GRPOConfig.epsilon_high")
         options.update(objective="cispo", eps_low=_CISPO_EPS_LOW, eps_high=settings.epsilon_high - 1.0)
     elif settings.loss_type == "sapo":
         options.update(objective="sapo", sapo_tau_pos=settings.sapo_temperature_pos,

@@ -27,6 +27,7 @@ from accelerate.utils import is_peft_model
 
 from ...config import GSPOConfig, LinearConfig
 from ...policy_loss import policy_loss
+from ..announce import announce_fused
 from ..head import head_token_stats
 from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
 from . import options
@@ -202,6 +203,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 return super()._compute_loss(model, inputs)
             finally:
                 self._gspo_in_fallback = False
+        linear = options.linear_config(TRLSettings.of(self))
+        announce_fused(f"TRL GRPOTrainer runs fused: loss_type={self.loss_type!r} on the fused-linear lm_head "
+                       f"({'Triton tile kernels' if linear.fused else 'chunked'}"
+                       f"{', batch-invariant' if linear.batch_invariant else ''}), no logits")
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)

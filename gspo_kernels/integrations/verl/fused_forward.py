@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
 
+from ..announce import announce_fused
 from ..head import head_token_stats
 from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
 
@@ -41,6 +42,7 @@ def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, positio
     if transform is not None:
         raise NotImplementedError(f"gspo_kernels' fused forward does not apply this model's {transform}; set "
                                   "actor_rollout_ref.model.use_fused_kernels=False for it")
+    announce_fused("verl's fused forward runs gspo_kernels' fused-linear log-probs and entropies (no logits)")
     # Through the head's own call: under FSDP2 verl wraps an untied lm_head as its own unit.
     hidden = outputs[0]
     log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype,

@@ -12,6 +12,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn, register_policy_loss
 
 from ...config import GSPOConfig
 from ...policy_loss import policy_loss
+from ..announce import announce_fused
 
 
 def _clip_range(config) -> tuple[float, float]:
@@ -89,6 +90,7 @@ def _make_loss(mode: str):
                 warnings.warn(f"gspo_kernels: {reason}; running verl's own {mode!r} loss for it", stacklevel=2)
             return get_policy_loss_fn(mode)(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                                             rollout_is_weights)
+        announce_fused(f"verl's policy loss gk_{mode} runs gspo_kernels.policy_loss")
         mask = response_mask.bool()
         loss, metrics = policy_loss(log_prob.float(), old_log_prob.float(), advantages.float(), mask=mask,
                                     token_weights=rollout_is_weights,

@@ -20,6 +20,7 @@ import contextvars
 import functools
 
 from ...linear.api import fused_linear_selective_log_softmax
+from ..announce import announce_fused
 from ..megatron.logits import token_logprobs
 from .engine_hook import after_import
 from .fused_forward import BACKEND
@@ -70,6 +71,8 @@ def _dispatch(verl_function):
         sequence_parallel = _ROUTED.get()
         if sequence_parallel is None:
             return verl_function(*args, **kwargs)
+        announce_fused("verl's Megatron fused forward runs gspo_kernels' fused-linear log-probs on the output "
+                       "layer's weight shard (no logits)")
         return linear_cross_entropy(*args, sequence_parallel=sequence_parallel, **kwargs)
 
     dispatch.gspo_kernels = True
@@ -136,6 +139,8 @@ def _hook_engine(engine_module) -> None:
     def _lm_head_logits_processor(self, logits, label, temperature, **flags):
         if not uses_gspo_kernels(self.model_config):
             return process(self, logits, label, temperature, **flags)
+        announce_fused("verl's Megatron logits processor runs gspo_kernels' log-probs and entropies on the "
+                       "vocab-parallel logits")
         return logits_token_stats(logits, label, temperature, **flags)
 
     @functools.wraps(enable)

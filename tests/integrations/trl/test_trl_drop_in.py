@@ -417,3 +417,20 @@ def test_transformed_logits_change_the_result(tmp_path, kind, attribute, plain):
     setattr(ours.model.config, attribute, plain)
     with pytest.raises(AssertionError):
         _compare((theirs, ours), dict(level="sequence", loss_type="grpo", beta=0.0))
+
+
+def test_the_fused_path_says_so_once_per_process(trainers, capfd, monkeypatch):
+    from gspo_kernels.integrations import announce
+
+    monkeypatch.setattr(announce, "_said", set())
+    theirs, ours = trainers
+    batch = _batch(theirs)
+    case = dict(level="sequence", loss_type="grpo", beta=0.0)
+    _run(ours, batch, case)
+    _run(ours, batch, case)
+    err = capfd.readouterr().err
+    assert err.count("gspo_kernels: TRL GRPOTrainer runs fused: loss_type='grpo' on the fused-linear lm_head") == 1
+    monkeypatch.setenv("GSPO_KERNELS_QUIET", "1")
+    monkeypatch.setattr(announce, "_said", set())
+    _run(ours, batch, case)
+    assert "runs fused" not in capfd.readouterr().err

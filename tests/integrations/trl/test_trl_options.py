@@ -44,6 +44,10 @@ def test_vespo_maps_onto_its_objective(level):
 def test_cispo_and_sapo():
     cispo = gspo_config(TRLSettings(loss_type="cispo", epsilon_high=5.0))
     assert cispo.objective == "cispo" and cispo.eps_high == 4.0 and 1.0 - cispo.eps_low < 1e-8
+    # TRL's own default for an unset epsilon_high is epsilon (0.2): the refusal speaks TRL's names.
+    with pytest.raises(ValueError, match="loss_type='cispo' caps the importance ratio at epsilon_high = 0.2.*"
+                                         "set GRPOConfig.epsilon_high"):
+        gspo_config(TRLSettings(loss_type="cispo", epsilon_high=0.2))
     sapo = gspo_config(TRLSettings(loss_type="sapo", sapo_temperature_pos=0.9, sapo_temperature_neg=1.2))
     assert (sapo.objective, sapo.sapo_tau_pos, sapo.sapo_tau_neg, sapo.loss_agg) == (
         "sapo", 0.9, 1.2, "seq-mean-token-mean")

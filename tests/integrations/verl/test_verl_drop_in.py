@@ -209,6 +209,23 @@ def test_fused_forward_refuses_a_scale_of_unknown_direction():
         type(model).forward = original
 
 
+def test_the_fused_forward_says_so_once_per_process(capfd, monkeypatch):
+    from verl.models.transformers import monkey_patch
+
+    from gspo_kernels.integrations import announce
+
+    monkeypatch.setattr(announce, "_said", set())
+    model = tiny_llama(vocab=64)
+    original = type(model).forward
+    try:
+        monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
+        for _ in range(2):
+            model(input_ids=torch.randint(0, 60, (2, 5)), temperature=1.0, return_dict=True)
+    finally:
+        type(model).forward = original
+    assert capfd.readouterr().err.count("gspo_kernels: verl's fused forward runs gspo_kernels' fused-linear") == 1
+
+
 def test_other_backends_stay_verls():
     from verl.models.transformers import monkey_patch
 
