@@ -9,6 +9,7 @@ memory-hungry on purpose; use it on small problems.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -39,10 +40,11 @@ def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, lo
     return logp, entropy
 
 
-def _sequences(logits, cu_seqlens):
-    """Row ranges of each sequence in the flattened token axis."""
-    if logits.dim() == 3:
-        batch, seq_len = logits.shape[:2]
+def _sequences(token_shape, cu_seqlens):
+    """Row ranges of each sequence in the flattened token axis: the rows of a padded (B, T), or
+    cu_seqlens' spans of a packed (N,)."""
+    if len(token_shape) == 2:
+        batch, seq_len = token_shape
         return [range(b * seq_len, (b + 1) * seq_len) for b in range(batch)]
     bounds = [int(c) for c in cu_seqlens]
     return [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
@@ -135,42 +137,123 @@ def _rollout_weights(cfg, old_lp, rollout_lp):
     return torch.where(rejected, torch.zeros_like(w), w), rejected
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One call's per-token inputs, flattened to rows (float64), and its scalars."""
+
+    token_shape: tuple
+    in_response: torch.Tensor
+    old: torch.Tensor | None
+    advantages: torch.Tensor
+    ref: torch.Tensor | None
+    rollout: torch.Tensor | None
+    token_weights: torch.Tensor | None
+    normalizer: object
+    entropy_threshold: object
+    sequences: list
+
+    @staticmethod
+    def of(token_shape, mask, cu_seqlens, old_logprobs, advantages, ref_logprobs=None, rollout_logprobs=None,
+           token_weights=None, normalizer=None, entropy_threshold=None):
+        def per_token(t):
+            return None if t is None else t.reshape(-1).double()
+
+        n = math.prod(token_shape)
+        in_response = torch.ones(n, dtype=torch.bool) if mask is None else mask.reshape(-1).cpu() != 0
+        return _Call(tuple(token_shape), in_response, per_token(old_logprobs), advantages.double(),
+                     per_token(ref_logprobs), per_token(rollout_logprobs), per_token(token_weights), normalizer,
+                     entropy_threshold, _sequences(tuple(token_shape), cu_seqlens))
+
+
 def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None, ref_logprobs=None,
               rollout_logprobs=None, normalizer=None, entropy_threshold=None, config=None, **options):
     """Same signature and meaning as gspo_kernels.gspo_loss; backend and inplace are ignored.
 
-    Returns a float64 loss (differentiable w.r.t. logits) and float64 metrics.
-
-    One function on purpose: it reads top to bottom as the formulas of docs/semantics.md, one
-    sequence at a time (ratio, policy term, corrections, KL, entropy), with plain autograd for
-    the gradient, so that it can be checked against the docs line by line; only the aggregation
-    and the metrics, which read the finished per-sequence terms, live apart.
-    """
+    Returns a float64 loss (differentiable w.r.t. logits) and float64 metrics."""
     cfg = config if config is not None else GSPOConfig(**options)
+    call = _Call.of(target_ids.shape, mask, cu_seqlens, old_logprobs, advantages, ref_logprobs, rollout_logprobs,
+                    None, normalizer, entropy_threshold)
+    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, call.in_response,
+                                                 cfg.logit_scale, cfg.logit_softcap)
+    return _objective(cfg, call, logp, entropy)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, *, mask=None, cu_seqlens=None, entropy=None, ref_logprobs=None,
+                rollout_logprobs=None, token_weights=None, normalizer=None, entropy_threshold=None, config=None,
+                **options):
+    """Same signature and meaning as gspo_kernels.policy_loss: the loss from per-token
+    log-probs, float64, differentiable w.r.t. logprobs (and entropy). Metrics as policy_loss's
+    (no entropy metrics without entropy)."""
+    cfg = config if config is not None else GSPOConfig(**options)
+    call = _Call.of(logprobs.shape, mask, cu_seqlens, old_logprobs, advantages, ref_logprobs, rollout_logprobs,
+                    token_weights, normalizer, entropy_threshold)
+    logp = logprobs.reshape(-1).double()
+    ent = torch.zeros_like(logp) if entropy is None else entropy.reshape(-1).double()
+    loss, metrics = _objective(cfg, call, logp, ent)
+    if entropy is None:
+        del metrics["entropy"], metrics["entropy_mean"]
+    return loss, metrics
+
+
+def selective_log_softmax(logits, target_ids, temperature=1.0, return_entropy=False, *, mask=None,
+                          logit_scale=1.0, logit_softcap=None):
+    """gspo_kernels.selective_log_softmax in float64 with plain autograd: (logp, entropy) shaped
+    like target_ids; rows outside mask pass no gradient."""
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
-    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, in_response, cfg.logit_scale,
-                                                 cfg.logit_softcap)
+    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale,
+                                                 logit_softcap)
+    logp, entropy = logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)
+    return (logp, entropy) if return_entropy else logp
 
-    def per_token(t):
-        return None if t is None else t.reshape(-1).double()
 
-    old, ref, rollout = per_token(old_logprobs), per_token(ref_logprobs), per_token(rollout_logprobs)
-    sequences = _sequences(logits, cu_seqlens)
-    adv = advantages.double()
-    adv_per_token = adv.shape != (len(sequences),)
+def _linear_logits(hidden, weight, bias):
+    """hidden @ weight.T + bias in float64: the logits the fused-linear entry points never form."""
+    logits = hidden.double() @ weight.double().t()
+    return logits if bias is None else logits + bias.double()
+
+
+def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, config=None,
+                           **options):
+    """gspo_kernels.fused_linear_gspo_loss in float64: gspo_loss on hidden @ weight.T + bias,
+    differentiable w.r.t. hidden, weight and bias. LinearConfig options (how the fused path runs)
+    are accepted and ignored; the per-call tensors and loss options are gspo_loss's."""
+    from ..config import LINEAR_OPTIONS
+
+    options = {k: v for k, v in options.items() if k not in LINEAR_OPTIONS and k not in ("linear", "backend")}
+    return gspo_loss(_linear_logits(hidden, weight, bias), target_ids, old_logprobs, advantages, config=config,
+                     **options)
+
+
+def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
+                                       return_entropy=False, mask=None, logit_scale=1.0, logit_softcap=None,
+                                       **ignored):
+    """gspo_kernels.fused_linear_selective_log_softmax in float64 (how-it-runs options ignored)."""
+    return selective_log_softmax(_linear_logits(hidden, weight, bias), target_ids, temperature, return_entropy,
+                                 mask=mask, logit_scale=logit_scale, logit_softcap=logit_softcap)
+
+
+def _objective(cfg: GSPOConfig, call: _Call, logp, entropy):
+    """One function on purpose: it reads top to bottom as the formulas of docs/semantics.md, one
+    sequence at a time (ratio, policy term, corrections, KL, entropy), with plain autograd for
+    the gradient, so that it can be checked against the docs line by line; only the aggregation
+    and the metrics, which read the finished per-sequence terms, live apart."""
+    in_response, old, ref, rollout = call.in_response, call.old, call.ref, call.rollout
+    adv = call.advantages
+    adv_per_token = adv.shape != (len(call.sequences),)
     if adv_per_token:
         adv = adv.reshape(-1)
     # Top-entropy selection: the quantile of every response token's entropy in this call.
     threshold = None
     if cfg.top_entropy_quantile < 1.0:
         threshold = (_quantile(entropy.detach()[in_response], 1 - cfg.top_entropy_quantile)
-                     if entropy_threshold is None else torch.as_tensor(entropy_threshold, dtype=torch.float64))
+                     if call.entropy_threshold is None
+                     else torch.as_tensor(call.entropy_threshold, dtype=torch.float64))
 
     seq_terms, seq_ratios = [], []
     low_flags, high_flags, kls, entropies = [], [], [], []
     weights_all, rejected_all, kept_entropy, kept_on_policy = [], [], [], []
-    for i, rows in enumerate(sequences):
+    for i, rows in enumerate(call.sequences):
         idx = torch.tensor([r for r in rows if in_response[r]], dtype=torch.long, device=logp.device)
         lp = logp[idx]
         old_lp = lp.detach() if old is None else old[idx]
@@ -205,6 +288,8 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
             keep = ~((a < 0) & far)
             term = torch.where(keep, term, torch.zeros_like(term))
             kept_on_policy.append(keep)
+        if call.token_weights is not None:  # weights computed elsewhere (policy_loss's token_weights)
+            term = term * call.token_weights[idx]
         if ref is not None:
             kl = _kl(lp, ref[idx], cfg.kl_estimator, cfg.kl_clamp)
             if cfg.use_bias_correction_kl:  # the loss and the metric alike
@@ -219,11 +304,12 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
         high_flags.append(high)
         entropies.append(entropy[idx])
 
-    horizon = cfg.max_len if cfg.max_len is not None else logits.shape[1]
-    loss = _aggregate(cfg, seq_terms, normalizer, horizon, logp.new_zeros(()))
+    padded_len = call.token_shape[1] if len(call.token_shape) == 2 else 1
+    horizon = cfg.max_len if cfg.max_len is not None else padded_len
+    loss = _aggregate(cfg, seq_terms, call.normalizer, horizon, logp.new_zeros(()))
     flags = dict(low=low_flags, high=high_flags, entropies=entropies, kls=kls, weights=weights_all,
                  rejected=rejected_all, kept_entropy=kept_entropy, kept_on_policy=kept_on_policy)
-    return loss, _metrics(cfg, logp, entropy, target_ids.shape, seq_ratios, flags, ref is not None)
+    return loss, _metrics(cfg, logp, entropy, call.token_shape, seq_ratios, flags, ref is not None)
 
 
 def _aggregate(cfg, seq_terms, normalizer, horizon, zero):
