@@ -49,7 +49,7 @@ def test_tile_grads_shapes_follow_need():
     device = device_for("triton")
     hidden, weight, bias, targets = _operands(torch.float32, True, device)
     _, entropy, lse = torch.ops.gspo_kernels.triton_tile_token_stats(hidden, weight, bias, targets, 1.0)
-    args = (hidden, weight, bias, targets, lse, entropy, torch.ones_like(lse), None, None, 1.0)
+    args = (hidden, weight, bias, targets, lse, entropy, torch.ones_like(lse), None, None, 1.0, 0.0)  # inv_temperature, softcap
     d_hidden, d_weight, d_bias = torch.ops.gspo_kernels.triton_tile_grads(*args, False, True, False, 0.0)
     assert d_hidden.shape == (0,) and d_bias.shape == (0,)
     assert d_weight.shape == weight.shape and d_weight.dtype == torch.float32 and bool(d_weight.abs().sum() > 0)
