@@ -63,6 +63,7 @@ struct GradInputs {
   const at::Tensor& grad_logp;
   const std::optional<at::Tensor>& grad_entropy;
   const std::optional<at::Tensor>& row_mask;
+  const std::optional<at::Tensor>& kept_min;  // the sampler's kept set: x >= kept_min per row
 
   void check(const at::Tensor& logits, int64_t rows) const {
     check_row_vector("targets", targets, logits, rows, at::kLong);
@@ -74,6 +75,9 @@ struct GradInputs {
     }
     if (row_mask.has_value()) {
       check_row_vector("row_mask", *row_mask, logits, rows, at::kBool);
+    }
+    if (kept_min.has_value()) {
+      check_row_vector("kept_min", *kept_min, logits, rows, at::kFloat);
     }
   }
 };
@@ -106,9 +110,10 @@ template <GradLauncher kLaunch>
 at::Tensor logits_grad_op(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                           const at::Tensor& entropy, const at::Tensor& grad_logp,
                           const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& row_mask,
-                          double inv_temperature, double softcap) {
+                          double inv_temperature, double softcap, const std::optional<at::Tensor>& kept_min) {
   at::Tensor grad = at::empty(logits.sizes(), logits.options());
-  kLaunch(logits, grad, {targets, lse, entropy, grad_logp, grad_entropy, row_mask}, logit_map(inv_temperature, softcap));
+  kLaunch(logits, grad, {targets, lse, entropy, grad_logp, grad_entropy, row_mask, kept_min},
+          logit_map(inv_temperature, softcap));
   return grad;
 }
 
@@ -117,10 +122,10 @@ template <GradLauncher kLaunch>
 void logits_grad_inplace_op(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                             const at::Tensor& entropy, const at::Tensor& grad_logp,
                             const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& row_mask,
-                            double inv_temperature, double softcap) {
+                            double inv_temperature, double softcap, const std::optional<at::Tensor>& kept_min) {
   TORCH_CHECK(elements_disjoint(logits),
               "gspo_kernels: logits_grad_ needs logits whose rows do not share memory; use logits_grad");
-  kLaunch(logits, logits, {targets, lse, entropy, grad_logp, grad_entropy, row_mask},
+  kLaunch(logits, logits, {targets, lse, entropy, grad_logp, grad_entropy, row_mask, kept_min},
           logit_map(inv_temperature, softcap));
 }
 

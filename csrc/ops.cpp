@@ -5,21 +5,25 @@
 TORCH_LIBRARY(gspo_kernels, m) {
   // Stage 1: per row, log_softmax(z) at the target, the entropy, and the logsumexp kept for
   // stage 3, z the logit map (gspo_math.h, LogitMap): inv_temperature * x, or with softcap > 0
-  // softcap * tanh(inv_temperature * x). Each output is a float32 (rows,) vector.
+  // softcap * tanh(inv_temperature * x). kept_min (float32, one per row, or None): the sampler's
+  // kept set, x >= kept_min; the other logits count as -inf, and a target among them gets a
+  // -inf log-prob. Each output is a float32 (rows,) vector.
   m.def(
-      "token_stats(Tensor logits, Tensor targets, float inv_temperature, float softcap=0.) -> "
-      "(Tensor, Tensor, Tensor)");
+      "token_stats(Tensor logits, Tensor targets, float inv_temperature, float softcap=0., "
+      "Tensor? kept_min=None) -> (Tensor, Tensor, Tensor)");
   // Stage 3: dLoss/dlogits from dLoss/dlogp and dLoss/dentropy, in the logits' dtype.
   // row_mask (bool, one per row; None = every row) marks the rows in the loss: the others get
   // exact zeros without being read. A row in the loss whose softmax is not finite or whose
   // target is out of range gets NaN throughout.
   m.def(
       "logits_grad(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
-      "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap=0.) -> Tensor");
+      "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap=0., "
+      "Tensor? kept_min=None) -> Tensor");
   // The same, written over the logits (whose rows must not share memory).
   m.def(
       "logits_grad_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
-      "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap=0.) -> ()");
+      "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap=0., "
+      "Tensor? kept_min=None) -> ()");
   // Stage 2, packed layout: per-sequence sums of (N,) or (N, k) values over the rows
   // cu_seqlens[s] .. cu_seqlens[s + 1], accumulated in float64 and returned in the values'
   // dtype, (S,) or (S, k) (0 for an empty sequence).

@@ -86,6 +86,17 @@ def check_logit_softcap(value) -> float | None:
     return value
 
 
+def check_sampling(top_k, top_p, min_p) -> None:
+    """The sampler's truncation as vLLM takes it: top_k an int >= 1, top_p in (0, 1], min_p in
+    [0, 1] (each None for none)."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"sampling_top_k must be an int >= 1 or None; got {top_k!r}")
+    if top_p is not None and not 0.0 < _real("sampling_top_p", top_p) <= 1.0:
+        raise ValueError(f"sampling_top_p must be in (0, 1] or None; got {top_p!r}")
+    if min_p is not None and not 0.0 <= _real("sampling_min_p", min_p) <= 1.0:
+        raise ValueError(f"sampling_min_p must be in [0, 1] or None; got {min_p!r}")
+
+
 def _in_range(name: str, value: float) -> float:
     if not 0.0 < value < math.inf:
         raise ValueError(f"{name} = {value} is outside float range")
@@ -143,6 +154,10 @@ class GSPOConfig(_NamedOptions):
     temperature: float = 1.0
     logit_scale: float = 1.0  # the model's multiplier on its logits, applied before the temperature
     logit_softcap: float | None = None  # the model's soft-cap c: logits -> c * tanh(logits / c)
+    # The sampler's truncation (vLLM's min-p, then top-k, then top-p): log-probs of the kept set.
+    sampling_top_k: int | None = None
+    sampling_top_p: float | None = None
+    sampling_min_p: float | None = None
     loss_agg: str = "seq-mean-token-mean"
     max_len: int | None = None
     beta: float = 0.0
@@ -180,6 +195,7 @@ class GSPOConfig(_NamedOptions):
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
         object.__setattr__(self, "logit_scale", check_logit_scale(self.logit_scale))
         object.__setattr__(self, "logit_softcap", check_logit_softcap(self.logit_softcap))
+        check_sampling(self.sampling_top_k, self.sampling_top_p, self.sampling_min_p)
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"eps_low must be in [0, 1) so that 1 - eps_low > 0; got {self.eps_low}")
         if self.eps_high < 0.0:
@@ -300,7 +316,9 @@ TRAINER_NAMES = {"epsilon": "eps_low", "epsilon_low": "eps_low", "epsilon_high":
                  "importance_sampling_level": "level", "loss_agg_mode": "loss_agg",
                  "loss_type": "objective (and loss_agg)", "entropy_coeff": "entropy_coef",
                  "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
-                 "tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"}
+                 "tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg", "top_k": "sampling_top_k",
+                 "top_p": "sampling_top_p", "min_p": "sampling_min_p",
+                 "final_logit_softcapping": "logit_softcap"}
 
 
 def _unknown_options(kind: type, options: dict) -> None:

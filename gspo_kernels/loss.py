@@ -10,6 +10,7 @@ from .config import GSPOConfig, kernel_logit_map, resolve_config
 from .distributed.vocab_parallel import VocabSlice
 from .inputs.checks import CallInputs, TokenLayout, prepare_batch
 from .sequence.gspo_objective import gspo_objective
+from .token_stats.kept_set import SamplingFilter
 from .token_stats.on_logits import token_stats
 
 
@@ -19,7 +20,7 @@ def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs,
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
     logit_map = kernel_logit_map(config.temperature, config.logit_scale, config.logit_softcap)
     logp, entropy = token_stats(logits, batch.targets, logit_map, backend_name, config.inplace,
-                                batch.row_mask, tp_slice)
+                                batch.row_mask, tp_slice, SamplingFilter.of(config), call.sampling_threshold)
     return gspo_objective(config, batch, logp, entropy)
 
 
@@ -38,6 +39,7 @@ def gspo_loss(
     tp_group=None,
     vocab_start: int | None = None,
     cp_group=None,
+    sampling_threshold: torch.Tensor | None = None,
     config: GSPOConfig | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -66,7 +68,7 @@ def gspo_loss(
     """
     call = CallInputs(mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                       normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group, tp_group=tp_group,
-                      vocab_start=vocab_start)
+                      vocab_start=vocab_start, sampling_threshold=sampling_threshold)
     return _gspo_loss_with_config(resolve_config(config, options), logits, target_ids, old_logprobs, advantages, call)
 
 
@@ -83,7 +85,8 @@ class GSPOLoss(torch.nn.Module):
 
     def forward(self, logits, target_ids, old_logprobs, advantages, **tensors):
         """Takes gspo_loss's per-call keywords: mask, cu_seqlens, ref_logprobs,
-        rollout_logprobs, normalizer, entropy_threshold, tp_group, vocab_start, cp_group."""
+        rollout_logprobs, normalizer, entropy_threshold, tp_group, vocab_start, cp_group,
+        sampling_threshold."""
         call = CallInputs.of("GSPOLoss", tensors, refused=("token_weights",))
         return _gspo_loss_with_config(self.config, logits, target_ids, old_logprobs, advantages, call)
 

@@ -26,6 +26,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advan
     without the entropy metrics when no entropy is given.
     """
     config = resolve_config(config, options)
+    given_logits_options = [name for name, plain in (("logit_scale", 1.0), ("logit_softcap", None), ("sampling_top_k", None),
+                                                     ("sampling_top_p", None), ("sampling_min_p", None))
+                            if getattr(config, name) != plain]
+    if given_logits_options:
+        raise ValueError(f"{', '.join(given_logits_options)} shape the log-probs, which policy_loss is given: pass them "
+                         "where the log-probs are computed (selective_log_softmax, fused_linear_selective_log_softmax)")
     if not isinstance(logprobs, torch.Tensor):
         raise TypeError(f"logprobs must be a torch.Tensor; got {type(logprobs).__name__}")
     if logprobs.dtype not in LOGPROB_DTYPES or logprobs.dim() not in (1, 2):

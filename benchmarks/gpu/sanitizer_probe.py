@@ -16,24 +16,32 @@ import gspo_kernels  # noqa: F401  (registers torch.ops.gspo_kernels)
 ops = torch.ops.gspo_kernels
 
 
-def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool, softcap: float = 0.0) -> float:
-    """The ops take inv_temperature = 1.1 (z = 1.1 x); softcap > 0: z = softcap * tanh(1.1 x)."""
+def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool, softcap: float = 0.0,
+             kept: bool = False) -> float:
+    """The ops take inv_temperature = 1.1 (z = 1.1 x); softcap > 0: z = softcap * tanh(1.1 x);
+    kept: a sampler's kept set, each row's logits above its median."""
     full = torch.randn(3, 6, vocab + (1 if strided else 0), device="cuda").to(dtype)
     logits = full[..., :vocab] if strided else full
     targets = torch.randint(0, vocab, (18,), device="cuda")
     targets[0], targets[1] = -100, vocab  # out of range: NaN log-prob, no read outside the row
-    logp, entropy, lse = ops.token_stats(logits, targets, 1.1, softcap)
+    kept_min = logits.float().median(-1).values.reshape(18).contiguous() if kept else None
+    if kept:  # targets inside the kept set: the log-prob check below stays a check
+        targets = torch.where(targets >= 0, logits.float().reshape(18, vocab).argmax(-1), targets)
+        targets[0], targets[1] = -100, vocab
+    logp, entropy, lse = ops.token_stats(logits, targets, 1.1, softcap, kept_min)
     g = torch.randn(18, device="cuda")
     g[2:5] = 0  # padding rows
     h = torch.randn(18, device="cuda") if with_h else None
     row_mask = torch.ones(18, dtype=torch.bool, device="cuda")
     row_mask[:2] = False  # the out-of-range targets sit outside the loss: zeros, never read
-    grad = ops.logits_grad(logits, targets, lse, entropy, g, h, row_mask, 1.1, softcap)
+    grad = ops.logits_grad(logits, targets, lse, entropy, g, h, row_mask, 1.1, softcap, kept_min)
     inplace = logits.clone()
-    ops.logits_grad_(inplace, targets, lse, entropy, g, h, row_mask, 1.1, softcap)
+    ops.logits_grad_(inplace, targets, lse, entropy, g, h, row_mask, 1.1, softcap, kept_min)
     torch.cuda.synchronize()
     z = logits.double() * 1.1
     z = softcap * torch.tanh(z) if softcap > 0 else z
+    if kept:
+        z = torch.where(logits.float() < kept_min.reshape(logits.shape[:-1])[..., None], float("-inf"), z)
     ref = torch.log_softmax(z, -1).reshape(18, vocab)
     err = (logp[2:].double() - ref[torch.arange(2, 18), targets[2:]]).abs().max().item()
     rows = grad.reshape(18, vocab)
@@ -68,7 +76,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for strided in (False, True):
                 worst = max(worst, one_case(vocab, dtype, strided, with_h=(vocab % 2 == 1),
-                                            softcap=2.5 if strided else 0.0))
+                                            softcap=2.5 if strided else 0.0, kept=vocab in (64, 5000)))
     print(f"sanitizer probe: max |logp - ref| = {worst:.2e}")
     return 0 if worst < 1e-4 else 1
 

@@ -228,32 +228,54 @@ SoftmaxStats row_stats(const scalar_t* row, int64_t vocab, float scale) {
   return st;
 }
 
-// A soft-capped block: z = cap * tanh(scale * x) of src[0:n] into float32 scratch (L1), where
-// the plain stats code reads it at scale 1. tanh: at::vec's (Sleef, about 1 ulp; +-inf give +-1).
+// The logit map of one SIMD vector: z, and dz/dx when `slope` is given; -inf (and any slope)
+// below `kept`, the row's kept-set minimum (-inf: every logit kept). tanh: at::vec's (Sleef,
+// about 1 ulp; +-inf give +-1).
+inline Vec map_vec(const Vec& x, const LogitMap& map, const Vec& kept, Vec* slope = nullptr) {
+  const Vec y = x * Vec(map.scale);
+  Vec z = y;
+  if (map.capped()) {
+    const Vec t = y.tanh();
+    z = Vec(map.cap) * t;
+    if (slope != nullptr) *slope = Vec(map.scale * map.cap) * (Vec(1.f) - t * t);  // 0 where t = +-1
+  } else if (slope != nullptr) {
+    *slope = Vec(map.scale);
+  }
+  return Vec::blendv(z, Vec(-std::numeric_limits<float>::infinity()), x < kept);
+}
+
+inline float map_scalar(float x, const LogitMap& map, float kept) {
+  return x < kept ? -std::numeric_limits<float>::infinity() : map(x);
+}
+
+// A mapped block (soft-cap, or the sampler's kept set): z of src[0:n] into float32 scratch (L1),
+// where the plain stats code then reads it at scale 1.
 template <typename scalar_t>
-GSPO_HOT_LOOP void map_block(const scalar_t* src, int64_t n, const LogitMap& map, float* dst) {
+GSPO_HOT_LOOP void map_block(const scalar_t* src, int64_t n, const LogitMap& map, float kept, float* dst) {
   const int64_t n_vec = n - n % kStep<scalar_t>;
-  const Vec vscale(map.scale), vcap(map.cap);
+  const Vec vkept(kept);
   float* out = dst;
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
     visit(src + i, [&](const Vec& x) {
-      (vcap * (x * vscale).tanh()).store(out);
+      map_vec(x, map, vkept).store(out);
       out += Vec::size();
     });
   }
-  for (int64_t i = n_vec; i < n; ++i) dst[i] = map(static_cast<float>(src[i]));
+  for (int64_t i = n_vec; i < n; ++i) dst[i] = map_scalar(static_cast<float>(src[i]), map, kept);
 }
 
-// Softmax stats of a soft-capped row: each block mapped into scratch, its stats taken as a
-// plain float32 row's, and merged (merge_stats is exact for any split).
+// Softmax stats of a mapped row: each block mapped into scratch, its stats taken as a plain
+// float32 row's, and merged (merge_stats is exact for any split).
 template <typename scalar_t>
-SoftmaxStats capped_row_stats(const scalar_t* row, int64_t vocab, const LogitMap& map) {
+SoftmaxStats mapped_row_stats(const scalar_t* row, int64_t vocab, const LogitMap& map, float kept) {
   alignas(64) float block[kBlock];
   SoftmaxStats st = empty_stats();
   for (int64_t start = 0; start < vocab; start += kBlock) {
     const int64_t n = std::min(kBlock, vocab - start);
-    map_block(row + start, n, map, block);
-    st = merge_stats(st, row_stats(static_cast<const float*>(block), n, 1.f));
+    map_block(row + start, n, map, kept, block);
+    const SoftmaxStats part = row_stats(static_cast<const float*>(block), n, 1.f);
+    if (std::isnan(part.max)) return part;  // a NaN logit: the row has no softmax
+    if (part.max != -std::numeric_limits<float>::infinity()) st = merge_stats(st, part);  // all -inf adds nothing
   }
   return st;
 }
@@ -262,17 +284,21 @@ int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, 65536 / std::max
 
 template <typename scalar_t>
 void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const int64_t* targets, const LogitMap& map,
-                      float* logp, float* entropy, float* lse) {
+                      const float* kept_min, float* logp, float* entropy, float* lse) {
   const scalar_t* base = logits.const_data_ptr<scalar_t>();
+  constexpr float kAll = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, layout.rows, grain_rows(layout.vocab), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* row_ptr = base + layout.offset(row);
-      const SoftmaxStats st = map.capped() ? capped_row_stats(row_ptr, layout.vocab, map)
-                                           : row_stats(row_ptr, layout.vocab, map.scale);
+      const float kept = kept_min == nullptr ? kAll : kept_min[row];
+      // A row that keeps every token (kept = -inf) takes the plain path: bitwise the plain result.
+      const SoftmaxStats st = (map.capped() || kept != kAll) ? mapped_row_stats(row_ptr, layout.vocab, map, kept)
+                                                             : row_stats(row_ptr, layout.vocab, map.scale);
       const RowResult r = finish_stats(st);
       const int64_t y = targets[row];
       const bool valid = y >= 0 && y < layout.vocab;  // never read outside the row
-      logp[row] = valid ? r.logprob(map(static_cast<float>(row_ptr[y]))) : kNaN;
+      // A target outside the kept set: z = -inf, so a -inf log-prob (its probability is 0).
+      logp[row] = valid ? r.logprob(map_scalar(static_cast<float>(row_ptr[y]), map, kept)) : kNaN;
       entropy[row] = r.entropy;
       lse[row] = r.lse;
     }
@@ -280,19 +306,22 @@ void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const i
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& logits, const at::Tensor& targets,
-                                                           double inv_temperature, double softcap) {
+                                                           double inv_temperature, double softcap,
+                                                           const std::optional<at::Tensor>& kept_min) {
   check_logits(logits, c10::kCPU);
   const LogitMap map = logit_map(inv_temperature, softcap);
   const RowLayout layout = row_layout(logits);
   check_row_vector("targets", targets, logits, layout.rows, at::kLong);
+  if (kept_min.has_value()) check_row_vector("kept_min", *kept_min, logits, layout.rows, at::kFloat);
   const auto opts = logits.options().dtype(at::kFloat);
   // The outputs take the targets' shape (the token shape), so no caller needs a view of them.
   at::Tensor logp = at::empty(targets.sizes(), opts);
   at::Tensor entropy = at::empty(targets.sizes(), opts);
   at::Tensor lse = at::empty(targets.sizes(), opts);
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
-    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map, logp.data_ptr<float>(),
-                               entropy.data_ptr<float>(), lse.data_ptr<float>());
+    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map,
+                               kept_min.has_value() ? kept_min->const_data_ptr<float>() : nullptr,
+                               logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
   });
   return {logp, entropy, lse};
 }
@@ -319,28 +348,31 @@ GSPO_HOT_LOOP void grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, i
   dst[y] = scalar_t(term + g * inv_t);
 }
 
-// The same for a soft-capped row: each term times dz/dx = scale * cap * (1 - t^2), taken
-// per element from t = tanh(scale * x), z = cap * t.
+// The same for a mapped row (soft-cap, or the sampler's kept set): each term times dz/dx, taken
+// per element (scale * cap * (1 - t^2) with t = tanh(scale * x)); a logit outside the kept set
+// has probability 0 and gets 0, and a target outside it gets no one-hot term.
 template <typename scalar_t, bool kEntropyGrad>
-GSPO_HOT_LOOP void capped_grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, int64_t y, const LogitMap& map,
-                                   float g, float h, float row_lse, float row_entropy) {
+GSPO_HOT_LOOP void mapped_grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, int64_t y, const LogitMap& map,
+                                   float kept, float g, float h, float row_lse, float row_entropy) {
   const int64_t n_vec = vocab - vocab % kStep<scalar_t>;
-  const float z_target = map(static_cast<float>(src[y]));  // read before the loop: in place, it overwrites src[y]
-  const Vec vscale(map.scale), vcap(map.cap), vscale_cap(map.scale * map.cap), vone(1.f), vneg_lse(-row_lse),
-      vent(row_entropy), vneg_g(-g), vneg_h(-h);
+  const float x_target = static_cast<float>(src[y]);  // read before the loop: in place, it overwrites src[y]
+  const Vec vkept(kept), vneg_lse(-row_lse), vent(row_entropy), vneg_g(-g), vneg_h(-h);
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
     transform(src + i, dst + i, [&](const Vec& x) {
-      const Vec t = (x * vscale).tanh();
-      const Vec term = softmax_grad_term<VecOps, kEntropyGrad>(vcap * t + vneg_lse, vent, vneg_g, vneg_h);
-      return term * (vscale_cap * (vone - t * t));  // exactly 0 where t = +-1, as LogitMap::slope
+      Vec slope;
+      const Vec z = map_vec(x, map, vkept, &slope);
+      return softmax_grad_term<VecOps, kEntropyGrad>(z + vneg_lse, vent, vneg_g, vneg_h) * slope;
     });
   }
   for (int64_t i = n_vec; i < vocab; ++i) {
-    const float z = map(static_cast<float>(src[i]));
-    dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z - row_lse, row_entropy, -g, -h) * map.slope(z));
+    const float x = static_cast<float>(src[i]);
+    const float z = map_scalar(x, map, kept);
+    dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z - row_lse, row_entropy, -g, -h) * map.slope(map(x)));
   }
+  const float z_target = map_scalar(x_target, map, kept);
   const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target - row_lse, row_entropy, -g, -h);
-  dst[y] = scalar_t((term + g) * map.slope(z_target));
+  const float one_hot = x_target < kept ? 0.f : g;
+  dst[y] = scalar_t((term + one_hot) * map.slope(map(x_target)));
 }
 
 template <typename scalar_t, bool kEntropyGrad>
@@ -354,6 +386,7 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
   const float* grad_logp = g_in.grad_logp.const_data_ptr<float>();
   const float* grad_entropy = kEntropyGrad ? g_in.grad_entropy->const_data_ptr<float>() : nullptr;
   const bool* row_mask = g_in.row_mask.has_value() ? g_in.row_mask->const_data_ptr<bool>() : nullptr;
+  const float* kept_min = g_in.kept_min.has_value() ? g_in.kept_min->const_data_ptr<float>() : nullptr;
   const int64_t vocab = in.vocab;
   at::parallel_for(0, in.rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -361,8 +394,9 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       const float g = grad_logp[row];
       const float h = kEntropyGrad ? grad_entropy[row] : 0.f;
       const RowAction action = row_action(row_mask == nullptr || row_mask[row], lse[row], targets[row], vocab, g, h);
-      if (action == RowAction::kCompute && map.capped()) {
-        capped_grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map, g, h,
+      const float kept = kept_min == nullptr ? -std::numeric_limits<float>::infinity() : kept_min[row];
+      if (action == RowAction::kCompute && (map.capped() || kept != -std::numeric_limits<float>::infinity())) {
+        mapped_grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map, kept, g, h,
                                                 lse[row], kEntropyGrad ? entropy[row] : 0.f);
       } else if (action == RowAction::kCompute) {
         grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map.scale, g, h, lse[row],

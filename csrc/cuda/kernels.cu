@@ -53,6 +53,7 @@ struct TokenStatsArgs {
   float* lse;
   RowLayout layout;
   LogitMap map;
+  const float* kept_min;  // null: every token kept (no sampler's kept set)
 };
 
 template <typename scalar_t>
@@ -68,7 +69,13 @@ struct GradArgs {
   const float* grad_entropy;
   const bool* row_mask;  // null: every row is in the loss
   LogitMap map;
+  const float* kept_min;  // null: every token kept
 };
+
+// z of a logit, -inf below the row's kept-set minimum (the sampler's kept set).
+__device__ __forceinline__ float mapped(float x, const LogitMap& map, float kept) {
+  return x < kept ? -INFINITY : map(x);
+}
 
 template <int kThreadsPerRow>
 struct RowThreads {
@@ -79,7 +86,8 @@ struct RowThreads {
 
 // This thread's share of one row: packs lane, lane + kThreadsPerRow, ..., then the tail.
 template <typename scalar_t, int kVec, int kThreadsPerRow>
-__device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, const LogitMap& map, int lane) {
+__device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, const LogitMap& map, float kept,
+                                         int lane) {
   using P = Pack<scalar_t, kVec>;
   const P* packs = reinterpret_cast<const P*>(row);
   const int64_t n_packs = vocab / kVec;
@@ -92,7 +100,7 @@ __device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, con
       if (i < n_packs) {
         const P p = packs[i];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) z[u * kVec + k] = map(static_cast<float>(p.v[k]));
+        for (int k = 0; k < kVec; ++k) z[u * kVec + k] = mapped(static_cast<float>(p.v[k]), map, kept);
       } else {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) z[u * kVec + k] = -INFINITY;
@@ -107,7 +115,7 @@ __device__ SoftmaxStats thread_row_stats(const scalar_t* row, int64_t vocab, con
     st = merge_stats(st, batch);
   }
   for (int64_t v = n_packs * kVec + lane; v < vocab; v += kThreadsPerRow) {
-    const float z = map(static_cast<float>(row[v]));
+    const float z = mapped(static_cast<float>(row[v]), map, kept);
     SoftmaxStats one{z, 0.f, 0.f};
     accumulate_shifted<DeviceOps>(z - finite_or_zero(z), one.sum, one.shifted);
     st = merge_stats(st, one);
@@ -146,13 +154,14 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_kernel(TokenStatsAr
   const bool in_range = row < a.layout.rows;
   const scalar_t* row_ptr = a.logits + (in_range ? a.layout.offset(row) : 0);
   SoftmaxStats st = empty_stats();
-  if (in_range) st = thread_row_stats<scalar_t, kVec, kThreadsPerRow>(row_ptr, a.layout.vocab, a.map, lane);
+  const float kept = (in_range && a.kept_min != nullptr) ? a.kept_min[row] : -INFINITY;
+  if (in_range) st = thread_row_stats<scalar_t, kVec, kThreadsPerRow>(row_ptr, a.layout.vocab, a.map, kept, lane);
   st = reduce_row<kThreadsPerRow>(st);
   if (in_range && lane == 0) {
     const RowResult r = finish_stats(st);
     const int64_t y = a.targets[row];
     const bool valid = y >= 0 && y < a.layout.vocab;  // never read outside the row
-    a.logp[row] = valid ? r.logprob(a.map(static_cast<float>(row_ptr[y]))) : NAN;
+    a.logp[row] = valid ? r.logprob(mapped(static_cast<float>(row_ptr[y]), a.map, kept)) : NAN;  // -inf outside
     a.entropy[row] = r.entropy;
     a.lse[row] = r.lse;
   }
@@ -189,11 +198,15 @@ __global__ void __launch_bounds__(kBlockThreads) logits_grad_kernel(GradArgs<sca
   const float neg_lse = -a.lse[row];
   const float entropy = kEntropyGrad ? a.entropy[row] : 0.f;
   const float neg_g = -g * inv_t, neg_h = -h * inv_t, g_scaled = g * inv_t;
+  const float kept = a.kept_min != nullptr ? a.kept_min[row] : -INFINITY;
+  // Uniform across the row's threads: no divergence. A row that keeps every token (kept = -inf)
+  // takes the plain path, bitwise the plain result.
+  const bool general = map.capped() || kept != -INFINITY;
   auto grad_of = [&](float x, int64_t v) {
-    if (map.capped()) {  // uniform across the launch: no divergence
+    if (general) {
       const float z = map(x);
-      float d = softmax_grad_term<DeviceOps, kEntropyGrad>(z + neg_lse, entropy, -g, -h);
-      if (v == y) d += g;
+      float d = softmax_grad_term<DeviceOps, kEntropyGrad>((x < kept ? -INFINITY : z) + neg_lse, entropy, -g, -h);
+      if (v == y && !(x < kept)) d += g;  // a target outside the kept set has no one-hot term
       return scalar_t(d * map.slope(z));
     }
     float d = softmax_grad_term<DeviceOps, kEntropyGrad>(fmaf(x, inv_t, neg_lse), entropy, neg_g, neg_h);
@@ -288,11 +301,13 @@ struct GradLaunch {
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& logits, const at::Tensor& targets,
-                                                           double inv_temperature, double softcap) {
+                                                           double inv_temperature, double softcap,
+                                                           const std::optional<at::Tensor>& kept_min) {
   check_logits(logits, c10::kCUDA);
   const LogitMap map = logit_map(inv_temperature, softcap);
   const RowLayout layout = row_layout(logits);
   check_row_vector("targets", targets, logits, layout.rows, at::kLong);
+  if (kept_min.has_value()) check_row_vector("kept_min", *kept_min, logits, layout.rows, at::kFloat);
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto opts = logits.options().dtype(at::kFloat);
   // The outputs take the targets' shape (the token shape), so no caller needs a view of them.
@@ -304,7 +319,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
     const TokenStatsArgs<scalar_t> args{logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(),
                                         logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>(),
-                                        layout, map};
+                                        layout, map,
+                                        kept_min.has_value() ? kept_min->const_data_ptr<float>() : nullptr};
     with_kernel_shape<scalar_t>(rows_16b_aligned<scalar_t>(args.logits, layout), layout.vocab,
                                 TokenStatsLaunch<scalar_t>{args, stream});
   });
@@ -329,7 +345,7 @@ void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g
                                   g_in.entropy.const_data_ptr<float>(), g_in.grad_logp.const_data_ptr<float>(),
                                   has_h ? g_in.grad_entropy->const_data_ptr<float>() : nullptr,
                                   g_in.row_mask.has_value() ? g_in.row_mask->const_data_ptr<bool>() : nullptr,
-                                  map};
+                                  map, g_in.kept_min.has_value() ? g_in.kept_min->const_data_ptr<float>() : nullptr};
     const bool aligned = rows_16b_aligned<scalar_t>(args.logits, in) && rows_16b_aligned<scalar_t>(args.grad, out);
     with_kernel_shape<scalar_t>(aligned, in.vocab, GradLaunch<scalar_t>{args, stream});
   });

@@ -39,7 +39,10 @@ class GradInputs:
     the token shape `(B, T)`, all alike; and the logit map of one backward pass: the softmax is
     of z = softcap * tanh(inv_temperature * x) when softcap > 0, else of z = inv_temperature * x
     (config.kernel_logit_map), and dz/dx = inv_temperature * softcap * (1 - (z / softcap)^2) or
-    inv_temperature.
+    inv_temperature. kept_min (float32 per row, or None): the sampler's kept set, the raw
+    logits x >= kept_min of the row (token_stats/kept_set.py); the others are -inf after the
+    map (probability 0, no gradient), and a target outside it gets a -inf log-prob and no
+    one-hot term.
 
     Row rule, the same on every backend (csrc/gspo_math.h, row_action): a row outside
     `row_mask` gets zeros whatever its logits hold, and is not read; a row in the loss with no
@@ -55,6 +58,7 @@ class GradInputs:
     row_mask: torch.Tensor | None  # bool; None: every row is in the loss
     inv_temperature: float
     softcap: float = 0.0  # 0: no soft-cap
+    kept_min: torch.Tensor | None = None  # the sampler's kept set per row; None: every token
 
     def as_rows(self) -> "GradInputs":
         """The same inputs as `[N]` rows (views)."""
@@ -62,16 +66,16 @@ class GradInputs:
             return None if t is None else t.reshape(-1)
         return GradInputs(flat(self.targets), flat(self.lse), flat(self.entropy), flat(self.grad_logp),
                           flat(self.grad_entropy), flat(self.row_mask), self.inv_temperature,
-                          self.softcap)
+                          self.softcap, flat(self.kept_min))
 
     def rows(self, part: slice) -> "GradInputs":
         """The same inputs for a slice of the `[N]` rows (a chunk)."""
         return GradInputs(self.targets[part], self.lse[part], self.entropy[part], self.grad_logp[part],
                           None if self.grad_entropy is None else self.grad_entropy[part],
                           None if self.row_mask is None else self.row_mask[part], self.inv_temperature,
-                          self.softcap)
+                          self.softcap, None if self.kept_min is None else self.kept_min[part])
 
     def op_args(self) -> tuple:
         """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
         return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
-                self.inv_temperature, self.softcap)
+                self.inv_temperature, self.softcap, self.kept_min)

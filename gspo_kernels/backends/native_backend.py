@@ -28,20 +28,23 @@ def with_cuda() -> bool:
 if _C is not None:
 
     @torch.library.register_fake("gspo_kernels::token_stats")
-    def _(logits, targets, inv_temperature, softcap=0.0):
+    def _(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
         return tuple(logits.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
 
     @torch.library.register_fake("gspo_kernels::logits_grad")
-    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0):
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0,
+          kept_min=None):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("gspo_kernels::logits_grad_")
-    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0):
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0,
+          kept_min=None):
         return None
 
 
-def token_stats(logits, targets, inv_temperature, softcap=0.0):
-    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, inv_temperature, softcap)
+def token_stats(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
+    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, inv_temperature, softcap,
+                                              kept_min)
 
 
 def logits_grad(logits, inputs: GradInputs):

@@ -25,11 +25,23 @@ def _valid(targets: torch.Tensor, vocab: int) -> torch.Tensor:
     return (targets >= 0) & (targets < vocab)
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0):
+def _outside_kept(logits: torch.Tensor, kept_min: torch.Tensor | None):
+    """`[N, V]` bool: the logits below their row's kept_min (None when every token is kept)."""
+    if kept_min is None:
+        return None
+    rows = logits.reshape(-1, logits.shape[-1])
+    return rows.to(kept_min.dtype) < kept_min.reshape(-1, 1)
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0,
+                kept_min: torch.Tensor | None = None):
     """Returns (logp, entropy, lse), each float32 (float64 for float64 logits) of the targets'
     shape."""
     shape, targets = targets.shape, targets.reshape(-1)
     z = _scaled_rows(logits, inv_temperature, softcap)
+    outside = _outside_kept(logits, kept_min)
+    if outside is not None:
+        z.masked_fill_(outside, float("-inf"))
     vocab = z.shape[-1]
     row_max = z.amax(dim=-1, keepdim=True)  # NaN-propagating: a NaN row stays NaN
     # An all -inf row shifts by 0 (its results are NaN either way); +inf stays, giving NaN.
@@ -52,6 +64,9 @@ def _grad_rows(logits, inputs: GradInputs):
     lse, entropy, targets = inputs.lse, inputs.entropy, inputs.targets
     z = _scaled_rows(logits, inputs.inv_temperature, inputs.softcap)
     slope = logit_slope(z, inputs.inv_temperature, inputs.softcap)  # before z becomes log p in place
+    outside = _outside_kept(logits, inputs.kept_min)
+    if outside is not None:
+        z.masked_fill_(outside, float("-inf"))
     log_p = z.sub_(lse.unsqueeze(-1))
     grad = torch.exp(log_p)
     g = inputs.grad_logp.to(grad.dtype).unsqueeze(-1)
@@ -63,7 +78,9 @@ def _grad_rows(logits, inputs: GradInputs):
         grad.mul_(coef).neg_()
     vocab = grad.shape[-1]
     valid = _valid(targets, vocab)
-    one_hot = torch.where(valid.unsqueeze(-1), g, torch.zeros_like(g))
+    one_hot_rows = valid if outside is None else valid & ~outside.gather(-1, targets.clamp(0, vocab - 1)
+                                                                            .long().unsqueeze(-1)).squeeze(-1)
+    one_hot = torch.where(one_hot_rows.unsqueeze(-1), g, torch.zeros_like(g))
     grad.scatter_add_(-1, targets.clamp(0, vocab - 1).long().unsqueeze(-1), one_hot)
     grad.mul_(slope)
     # The row rule of GradInputs, applied after the fact (this backend reads every row anyway).

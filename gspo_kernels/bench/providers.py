@@ -134,10 +134,13 @@ def _ours(backend: str):
 # Variants on the auto backend (the cpu kernel on a CPU, Triton on a GPU). The stage-2
 # objectives run the same kernels, so their time should stay within a few percent of plain GSPO;
 # the model's logit transforms run inside them: a scale folds into the temperature (free), a
-# soft-cap adds one tanh per logit to each pass.
+# soft-cap adds one tanh per logit to each pass; the sampler's kept set adds a pre-pass.
 FAMILY = {
     "tx_scale": dict(logit_scale=0.0625),  # Cohere's value
     "tx_softcap": dict(logit_softcap=30.0),  # Gemma 2's value
+    # The sampler's kept set: a PyTorch pre-pass (one more read, a sort of each row for top-p).
+    "tx_top_k": dict(sampling_top_k=50),
+    "tx_top_p": dict(sampling_top_p=0.9),
     "obj_cispo": dict(objective="cispo"),
     "obj_sapo": dict(objective="sapo"),
     "obj_gmpo": dict(objective="gmpo", eps_low=0.4, eps_high=0.4),

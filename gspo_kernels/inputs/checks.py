@@ -298,6 +298,7 @@ class CallInputs:
     cp_group: object = None
     tp_group: object = None  # read by stage 1 (the vocab slice), not by prepare_batch
     vocab_start: object = None
+    sampling_threshold: object = None  # stage 1: per token, the smallest raw logit the sampler kept
 
     @staticmethod
     def of(entry: str, keywords: dict, refused: tuple = ()) -> "CallInputs":

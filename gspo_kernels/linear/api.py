@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import (LinearConfig, check_backend, check_logit_scale, check_logit_softcap, check_temperature,
-                      kernel_logit_map, resolve_config, split_linear_options)
+from ..config import (LinearConfig, check_backend, check_logit_scale, check_logit_softcap, check_sampling,
+                      check_temperature, kernel_logit_map, resolve_config, split_linear_options)
+from ..token_stats.kept_set import SamplingFilter
 from ..inputs.checks import CallInputs, TokenLayout, check_mask, check_targets, prepare_batch
 from ..sequence.gspo_objective import gspo_objective
 from .chunked import FusedLinearTokenStats
@@ -84,7 +85,8 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
                       vocab_start=vocab_start)
     batch = prepare_batch(config, layout, target_ids, old_logprobs, advantages, call)
     logit_map = kernel_logit_map(config.temperature, config.logit_scale, config.logit_softcap)
-    plan = LinearPlan.of(linear, logit_map, config.backend, rows, weight, tp_group, vocab_start)
+    plan = LinearPlan.of(linear, logit_map, config.backend, rows, weight, tp_group, vocab_start,
+                         SamplingFilter.of(config))
     row_mask = None if batch.row_mask is None else batch.row_mask.reshape(-1)
     logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, plan)
     return gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
@@ -92,13 +94,15 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
                                        return_entropy=False, backend="auto", mask=None, tp_group=None,
-                                       vocab_start=None, logit_scale=1.0, logit_softcap=None,
-                                       linear: LinearConfig | None = None, **linear_options):
+                                       vocab_start=None, logit_scale=1.0, logit_softcap=None, sampling_top_k=None,
+                                       sampling_top_p=None, sampling_min_p=None, linear: LinearConfig | None = None,
+                                       **linear_options):
     """selective_log_softmax on the logits `hidden @ weight.T + bias` (with the model's
     logit_scale and logit_softcap), chunk by chunk, with the full backward (entropy gradient
     included) to hidden, weight and bias. tp_group, vocab_start and the LinearConfig options as
-    in fused_linear_gspo_loss."""
+    in fused_linear_gspo_loss; the sampling options as in selective_log_softmax (chunked path only)."""
     linear = resolve_config(linear, linear_options, LinearConfig)
+    check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
     logit_map = kernel_logit_map(check_temperature(temperature), check_logit_scale(logit_scale),
                                  check_logit_softcap(logit_softcap))
     check_backend(backend)
@@ -106,7 +110,8 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
     targets_flat = check_targets(target_ids, layout).reshape(-1)
     row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
-    plan = LinearPlan.of(linear, logit_map, backend, rows, weight, tp_group, vocab_start)
+    plan = LinearPlan.of(linear, logit_map, backend, rows, weight, tp_group, vocab_start,
+                         SamplingFilter(sampling_top_k, sampling_top_p, sampling_min_p))
     logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, plan)
     logp = logp.reshape(target_ids.shape)
     return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp

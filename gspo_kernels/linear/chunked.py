@@ -19,6 +19,7 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..distributed.collectives import sum_over_ranks
+from ..token_stats.kept_set import kept_thresholds
 from ..token_stats.upstream import nan_lse_for_bad_targets, upstream_grads
 
 from .plan import LinearPlan
@@ -36,6 +37,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
         rows = hidden.shape[0]
         stats_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logp, entropy, lse = (torch.empty(rows, dtype=stats_dtype, device=hidden.device) for _ in range(3))
+        kept_min = None if plan.sampling is None else torch.empty(rows, dtype=torch.float32, device=hidden.device)
         owned = None
         if plan.tp_slice is not None:
             targets, owned = plan.tp_slice.local_targets(targets)
@@ -46,21 +48,24 @@ class FusedLinearTokenStats(torch.autograd.Function):
                 logits = ops.logits(hidden[part])
             else:
                 logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
+            if kept_min is not None:  # the sampler's kept set, from this chunk's logits
+                kept_min[part] = kept_thresholds(logits, (plan.inv_temperature, plan.softcap), plan.sampling)
             logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.inv_temperature,
-                                                                             plan.softcap)
+                                                                             plan.softcap,
+                                                                             None if kept_min is None else kept_min[part])
         if plan.tp_slice is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
             logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
             lse = nan_lse_for_bad_targets(lse, targets, weight.shape[0])  # for the vocab sweep's blocks
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, row_mask, owned, kept_min)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, row_mask, owned, kept_min = ctx.saved_tensors
         plan = ctx.plan
         none = (None,) * 3
         if grad_logp is None and grad_entropy is None:
@@ -70,7 +75,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         saved = SavedPass(hidden, weight, bias, owned,
                           GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature,
-                                     plan.softcap))
+                                     plan.softcap, kept_min))
         reduce_hidden_grad = plan.reduce_hidden_grad
         fp32 = plan.linear.weight_grad_fp32
         if plan.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it

@@ -10,6 +10,7 @@ import torch
 from .. import backends
 from ..config import LinearConfig
 from ..distributed.vocab_parallel import VocabSlice
+from ..token_stats.kept_set import SamplingFilter
 from .invariant import ProductBlocks
 
 # float32 logits per chunk when chunk_size is None: a budget in bytes, rows = budget / (4 V).
@@ -34,6 +35,7 @@ class LinearPlan:
     chunk: int  # rows per chunk of the chunked path
     tp_slice: VocabSlice | None = None  # vocab-parallel: the weight holds this rank's vocab slice
     blocks: ProductBlocks | None = None  # batch_invariant (chunked path): the fixed product shape
+    sampling: SamplingFilter | None = None  # the sampler's kept set (token_stats/kept_set.py), chunked path
 
     @property
     def reduce_hidden_grad(self) -> bool:
@@ -42,8 +44,13 @@ class LinearPlan:
 
     @staticmethod
     def of(linear: LinearConfig, logit_map: tuple, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
-           tp_group=None, vocab_start=None) -> "LinearPlan":
+           tp_group=None, vocab_start=None, sampling: SamplingFilter | None = None) -> "LinearPlan":
         """hidden: the `[N, H]` rows; weight: `[V, H]` (this rank's slice with tp_group)."""
+        sampling = sampling if sampling is not None and sampling.active else None
+        if sampling is not None and (linear.fused or tp_group is not None):
+            raise NotImplementedError("the sampler's kept set (sampling_top_k/_top_p/_min_p) runs on the chunked "
+                                      "fused-linear path of one process: not with fused=True (the tile kernels) nor "
+                                      "with tp_group (a selection across ranks)")
         # fused=True is the Triton tile kernels: 'auto' means them.
         name = "triton" if linear.fused and backend == "auto" else backend
         if linear.fused and name == "triton" and not backends.tiles_available(hidden.device):
@@ -57,7 +64,7 @@ class LinearPlan:
         if linear.batch_invariant and not linear.fused:  # the tile kernels' shapes are fixed already
             blocks = ProductBlocks.of(hidden.device, hidden.shape[-1])
             chunk = blocks.round_chunk(chunk)
-        return LinearPlan(linear, *logit_map, resolved, chunk, tp_slice, blocks)
+        return LinearPlan(linear, *logit_map, resolved, chunk, tp_slice, blocks, sampling)
 
 
 def _check_fused(resolved_backend: str, device: torch.device) -> None:

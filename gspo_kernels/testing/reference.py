@@ -15,7 +15,36 @@ import torch
 
 from ..config import GSPOConfig
 
-def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale=1.0, logit_softcap=None):
+def sampler_kept(z, top_k=None, top_p=None, min_p=None, order=None):
+    """`[N, V]` bool: the tokens vLLM's v1 sampler keeps from logits z (after the temperature):
+    min-p (probability >= min_p * the row's largest), then top-k (>= the k-th largest), then
+    top-p over what is left (sorted ascending, the prefix whose cumulative probability is <=
+    1 - top_p goes, the largest token always stays). Ties at the top-p boundary are all kept. A
+    row without a finite softmax (a NaN or +inf logit, or all -inf) keeps every token: it stays NaN, as
+    docs/semantics.md says of such rows. order: the values that rank the tokens for top-k and
+    top-p (the raw logits; z by default), the masses being z's."""
+    order = z if order is None else order
+    no_softmax = (torch.isnan(z) | (z == math.inf)).any(-1, keepdim=True) | (z == -math.inf).all(-1, keepdim=True)
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p is not None and min_p > 0:
+        probs = torch.softmax(z, -1)
+        keep &= probs >= min_p * probs.amax(-1, keepdim=True)
+    if top_k is not None and top_k < z.shape[-1]:
+        ascending = torch.where(keep, order, torch.full_like(order, -math.inf)).sort(-1).values
+        keep &= order >= ascending[:, -top_k].unsqueeze(-1)  # vLLM: the sorted row at V - k
+    if top_p is not None and top_p < 1:
+        ascending, index = torch.where(keep, order, torch.full_like(order, -math.inf)).sort(-1)
+        masses = torch.where(keep, z, torch.full_like(z, -math.inf)).gather(-1, index)
+        cumulative = torch.softmax(masses, -1).cumsum(-1)
+        gone = cumulative <= 1 - top_p
+        gone[:, -1] = False
+        boundary = torch.where(gone, torch.full_like(ascending, math.inf), ascending).amin(-1, keepdim=True)
+        keep &= order >= boundary
+    return keep | no_softmax
+
+
+def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale=1.0, logit_softcap=None,
+                                sampling=None, sampling_threshold=None):
     rows = logits.double().reshape(-1, logits.shape[-1])
     # Rows outside the response keep their values (reported in the metrics) but pass no
     # gradient, whatever they hold: NaN logits or a -100 pad id there cost nothing.
@@ -23,10 +52,20 @@ def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, lo
     # The model's multiplier, then its soft-cap, then the trainer's temperature, as Hugging Face
     # models and the trainers apply them (Cohere: logits * logit_scale; Gemma 2:
     # c * tanh(logits / c); then TRL's logits / temperature).
+    raw = rows.detach()
     rows = rows * logit_scale
     if logit_softcap is not None:
         rows = logit_softcap * torch.tanh(rows / logit_softcap)
-    log_probs = torch.log_softmax(rows / temperature, dim=-1)
+    rows = rows / temperature
+    # The sampler's kept set: the others are -inf (probability 0, no gradient); a target among
+    # them gets a -inf log-prob.
+    unmasked = rows
+    if sampling is not None and any(v is not None for v in sampling):
+        rows = torch.where(sampler_kept(rows.detach(), *sampling, order=raw), rows, torch.full_like(rows, -math.inf))
+    elif sampling_threshold is not None:
+        kept = raw >= sampling_threshold.reshape(-1, 1).double().to(raw.device)
+        rows = torch.where(kept, rows, torch.full_like(rows, -math.inf))
+    log_probs = torch.log_softmax(rows, dim=-1)
     probs = log_probs.exp()
     # -p log p is 0 where p = 0 (a -inf logit); log p is zeroed first so no 0 * -inf
     # appears in the forward or the backward pass.
@@ -37,6 +76,9 @@ def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, lo
     logp = log_probs.gather(-1, ids.long().clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     # An out-of-range id: a NaN log-prob, and (times NaN) a NaN gradient row in the response.
     logp = logp * torch.where(valid, 1.0, float("nan")).to(logp)
+    if rows is not unmasked:  # NaN also into the logits outside the kept set: the whole row, as documented
+        nan_if_bad = torch.where(valid, 0.0, math.nan).to(logp)  # 0 (no gradient) for a valid row
+        logp = logp + nan_if_bad * torch.nan_to_num(unmasked, nan=0.0, posinf=0.0, neginf=0.0).sum(-1)
     return logp, entropy
 
 
@@ -166,15 +208,17 @@ class _Call:
 
 
 def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None, ref_logprobs=None,
-              rollout_logprobs=None, normalizer=None, entropy_threshold=None, config=None, **options):
+              rollout_logprobs=None, normalizer=None, entropy_threshold=None, sampling_threshold=None, config=None,
+              **options):
     """Same signature and meaning as gspo_kernels.gspo_loss; backend and inplace are ignored.
 
     Returns a float64 loss (differentiable w.r.t. logits) and float64 metrics."""
     cfg = config if config is not None else GSPOConfig(**options)
     call = _Call.of(target_ids.shape, mask, cu_seqlens, old_logprobs, advantages, ref_logprobs, rollout_logprobs,
                     None, normalizer, entropy_threshold)
-    logp, entropy = _token_logprobs_and_entropy(logits, target_ids, cfg.temperature, call.in_response,
-                                                 cfg.logit_scale, cfg.logit_softcap)
+    logp, entropy = _token_logprobs_and_entropy(
+        logits, target_ids, cfg.temperature, call.in_response, cfg.logit_scale, cfg.logit_softcap,
+        (cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p), sampling_threshold)
     return _objective(cfg, call, logp, entropy)
 
 
@@ -196,13 +240,15 @@ def policy_loss(logprobs, old_logprobs, advantages, *, mask=None, cu_seqlens=Non
 
 
 def selective_log_softmax(logits, target_ids, temperature=1.0, return_entropy=False, *, mask=None,
-                          logit_scale=1.0, logit_softcap=None):
+                          logit_scale=1.0, logit_softcap=None, sampling_top_k=None, sampling_top_p=None,
+                          sampling_min_p=None, sampling_threshold=None):
     """gspo_kernels.selective_log_softmax in float64 with plain autograd: (logp, entropy) shaped
     like target_ids; rows outside mask pass no gradient."""
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
     logp, entropy = _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale,
-                                                 logit_softcap)
+                                                 logit_softcap, (sampling_top_k, sampling_top_p, sampling_min_p),
+                                                 sampling_threshold)
     logp, entropy = logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)
     return (logp, entropy) if return_entropy else logp
 
@@ -227,10 +273,12 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
                                        return_entropy=False, mask=None, logit_scale=1.0, logit_softcap=None,
-                                       **ignored):
+                                       sampling_top_k=None, sampling_top_p=None, sampling_min_p=None, **ignored):
     """gspo_kernels.fused_linear_selective_log_softmax in float64 (how-it-runs options ignored)."""
     return selective_log_softmax(_linear_logits(hidden, weight, bias), target_ids, temperature, return_entropy,
-                                 mask=mask, logit_scale=logit_scale, logit_softcap=logit_softcap)
+                                 mask=mask, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                 sampling_top_k=sampling_top_k, sampling_top_p=sampling_top_p,
+                                 sampling_min_p=sampling_min_p)
 
 
 def _objective(cfg: GSPOConfig, call: _Call, logp, entropy):

@@ -14,9 +14,11 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
-from ..config import check_backend, check_logit_scale, check_logit_softcap, check_temperature, kernel_logit_map
+from ..config import (check_backend, check_logit_scale, check_logit_softcap, check_sampling, check_temperature,
+                      kernel_logit_map)
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
+from .kept_set import SamplingFilter, kept_thresholds
 from .upstream import upstream_grads
 from .slice_grad import slice_logits_grad
 
@@ -32,18 +34,18 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, row_mask, logit_map: tuple, backend_name: str, inplace: bool,
-                tp_slice: VocabSlice | None):
+                tp_slice: VocabSlice | None, kept_min: torch.Tensor | None = None):
         backend = backends.get(backend_name)
         inv_temperature, softcap = logit_map
         owned = None
         if tp_slice is not None:
             targets, owned = tp_slice.local_targets(targets)
-        logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature, softcap)
+        logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature, softcap, kept_min)
         if tp_slice is not None:
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack: a detached alias
         # costs one op.
-        ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned)
+        ctx.save_for_backward(logits, targets, lse, entropy.detach(), row_mask, owned, kept_min)
         ctx.tp_slice = tp_slice
         ctx.logit_map = logit_map
         ctx.backend_name = backend_name
@@ -54,16 +56,16 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        no_grads = (None,) * 7
+        no_grads = (None,) * 8
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
         if getattr(ctx, "wrote_in_place", False):  # before saved_tensors, whose error names no cause
             raise RuntimeError("gspo_kernels: inplace=True wrote the logits' gradient into their storage in the "
                                "first backward, so a second backward through the same loss cannot read them; "
                                "use inplace=False (the default) to backward twice (retain_graph=True)")
-        logits, targets, lse, entropy, row_mask, owned = ctx.saved_tensors
+        logits, targets, lse, entropy, row_mask, owned, kept_min = ctx.saved_tensors
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
-        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, *ctx.logit_map)
+        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, *ctx.logit_map, kept_min)
         backend = backends.get(ctx.backend_name)
         grad = slice_logits_grad(backend, logits, inputs, None if ctx.tp_slice is None else owned,
                                  ctx.inplace and writable_in_place(logits))
@@ -75,11 +77,39 @@ class TokenStatsFunction(torch.autograd.Function):
 
 
 def token_stats(logits, targets, logit_map: tuple, backend_name: str, inplace: bool = False,
-                row_mask: torch.Tensor | None = None, tp_slice: VocabSlice | None = None):
+                row_mask: torch.Tensor | None = None, tp_slice: VocabSlice | None = None,
+                sampling: SamplingFilter | None = None, sampling_threshold: torch.Tensor | None = None):
     """Stage 1 with autograd: logp and entropy in float32 (float64 for float64 logits) of the
     targets' shape (contiguous int64: the token shape or `[N]` rows). With a vocab slice (tp_slice) the
-    logits are this rank's slice and the results are the global ones."""
-    return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice)
+    logits are this rank's slice and the results are the global ones. sampling (or a given
+    sampling_threshold, the raw logits' per-token minimum kept): the log-probs and entropies of
+    the sampler's kept set (kept_set.py)."""
+    kept_min = sampling_kept_min(logits, targets.shape, logit_map, sampling, sampling_threshold, tp_slice)
+    return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice, kept_min)
+
+
+def sampling_kept_min(logits, token_shape, logit_map: tuple, sampling, sampling_threshold, tp_slice):
+    """The per-row kept-set thresholds the kernels take (float32, contiguous, token_shape), or
+    None when the sampler kept every token."""
+    active = sampling is not None and sampling.active
+    if sampling_threshold is None and not active:
+        return None
+    if sampling_threshold is not None and active:
+        raise ValueError("pass the sampler's kept set either as sampling_threshold or as sampling_top_k/_top_p/"
+                         "_min_p options, not both")
+    if tp_slice is not None:
+        raise NotImplementedError("the sampler's kept set over vocab-parallel logits (tp_group) needs a selection "
+                                  "across ranks, which is not implemented: compute the log-probs without "
+                                  "tp_group, or without the sampling options")
+    if sampling_threshold is None:
+        return kept_thresholds(logits, logit_map, sampling).reshape(token_shape)
+    if not isinstance(sampling_threshold, torch.Tensor) or not sampling_threshold.dtype.is_floating_point:
+        raise TypeError("sampling_threshold must be a float tensor: per token, the smallest raw logit the sampler "
+                        "kept")
+    if sampling_threshold.shape != token_shape or sampling_threshold.device != logits.device:
+        raise ValueError(f"sampling_threshold must be shaped like target_ids {tuple(token_shape)} on "
+                         f"{logits.device}; got {tuple(sampling_threshold.shape)} on {sampling_threshold.device}")
+    return sampling_threshold.detach().float().contiguous()
 
 
 def selective_log_softmax(
@@ -95,6 +125,10 @@ def selective_log_softmax(
     vocab_start: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    sampling_top_k: int | None = None,
+    sampling_top_p: float | None = None,
+    sampling_min_p: float | None = None,
+    sampling_threshold: torch.Tensor | None = None,
 ):
     """log_softmax(softcap(logits * logit_scale) / temperature) gathered at target_ids, without
     a `[N, V]` buffer. logit_scale and logit_softcap (c: y -> c * tanh(y / c)) are what the
@@ -117,7 +151,13 @@ def selective_log_softmax(
     [vocab_start, vocab_start + V_local) of the vocabulary (vocab_start defaults to rank *
     V_local), target_ids are global ids, the results are the global ones on every rank, and
     backward writes this slice's gradient.
+
+    sampling_top_k, sampling_top_p, sampling_min_p (as vLLM applies them), or sampling_threshold
+    (per token, the smallest raw logit the sampler kept): log-probs and entropies of the
+    distribution the engine sampled from, the softmax renormalised over the kept tokens
+    (docs/semantics.md, "The sampler's kept set"); a target outside it gets a -inf log-prob.
     """
+    check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
     logit_map = kernel_logit_map(check_temperature(temperature), check_logit_scale(logit_scale),
                                  check_logit_softcap(logit_softcap))
     check_backend(backend)
@@ -126,5 +166,6 @@ def selective_log_softmax(
     row_mask = None if mask is None else check_mask(mask, layout)
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     tp_slice = VocabSlice.of_rank(tp_group, vocab_start, logits.shape[-1])
-    logp, entropy = token_stats(logits, targets, logit_map, resolved, inplace, row_mask, tp_slice)
+    logp, entropy = token_stats(logits, targets, logit_map, resolved, inplace, row_mask, tp_slice,
+                                SamplingFilter(sampling_top_k, sampling_top_p, sampling_min_p), sampling_threshold)
     return (logp, entropy) if return_entropy else logp

@@ -25,11 +25,14 @@ def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: Grad
         foreign = foreign & inputs.row_mask
     dtype = inputs.lse.dtype
     z = mapped_logits_(first_logit.to(dtype, copy=True), inputs.inv_temperature, inputs.softcap)
+    slope = logit_slope(z, inputs.inv_temperature, inputs.softcap)
+    if inputs.kept_min is not None:  # outside the sampler's kept set: probability 0, gradient 0
+        z = torch.where(first_logit.to(inputs.kept_min.dtype) < inputs.kept_min, float("-inf"), z)
     log_p = z - inputs.lse
     coef = inputs.grad_logp
     if inputs.grad_entropy is not None:
         coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
-    value = -torch.exp(log_p) * coef * logit_slope(z, inputs.inv_temperature, inputs.softcap)
+    value = -torch.exp(log_p) * coef * slope
     column = grad.select(-1, 0)
     fixed = torch.where(foreign, value, column.reshape(value.shape).to(dtype))
     column.copy_(fixed.reshape(column.shape))

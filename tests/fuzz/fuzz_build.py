@@ -297,7 +297,8 @@ def build(case: FuzzCase) -> Built:
 
     temperature = opts.get("temperature", 1.0)
     lp64, ent64 = reference._token_logprobs_and_entropy(logits64, targets, temperature, in_response,
-                                                        opts.get("logit_scale", 1.0), opts.get("logit_softcap"))
+                                                        opts.get("logit_scale", 1.0), opts.get("logit_softcap"),
+                                                        tuple(opts.get(f"sampling_{k}") for k in ("top_k", "top_p", "min_p")))
     lp64, ent64 = lp64.detach(), ent64.detach()
 
     built = Built(case=case, options=opts, base=base, view=view, logits64=logits64, targets=targets,

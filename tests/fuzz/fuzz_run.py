@@ -283,6 +283,10 @@ def run_policy_loss(built: Built) -> list[str]:
     return failures
 
 
+def _sampling(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k.startswith("sampling_")}
+
+
 def run_selective_log_softmax(built: Built) -> list[str]:
     """Log-probs and entropies against float64, and the logits gradient for random upstream
     gradients, some rows of them exactly 0 (a bad row's gradient is NaN whatever its upstream)."""
@@ -298,7 +302,7 @@ def run_selective_log_softmax(built: Built) -> list[str]:
     out = _under_test(lambda: gk.selective_log_softmax(
         built.view(base), built.targets, temperature, case.return_entropy, backend=case.backend,
         inplace=built.options.get("inplace", False), mask=built.mask, logit_scale=built.options.get("logit_scale", 1.0),
-        logit_softcap=built.options.get("logit_softcap")))
+        logit_softcap=built.options.get("logit_softcap"), **_sampling(built.options)))
     lp, ent = out if case.return_entropy else (out, None)
     outs, ups = [lp], [g.reshape(built.token_shape).to(lp.dtype)]
     if ent is not None:
@@ -312,7 +316,9 @@ def run_selective_log_softmax(built: Built) -> list[str]:
     base64 = built.base.double().requires_grad_()
     ref_lp, ref_ent = reference._token_logprobs_and_entropy(built.view(base64), built.targets, temperature,
                                                            built.in_response, built.options.get("logit_scale", 1.0),
-                                                           built.options.get("logit_softcap"))
+                                                           built.options.get("logit_softcap"),
+                                                           tuple(_sampling(built.options).get(f"sampling_{k}")
+                                                                 for k in ("top_k", "top_p", "min_p")))
     ref_outs, ref_ups = [ref_lp], [g]
     if ent is not None:
         ref_outs.append(ref_ent)

@@ -117,7 +117,12 @@ def fuzz_cases(draw, entry: str, backend: str):
         if draw(st.booleans()):
             case["options"] = {"temperature": draw(st.sampled_from([0.7, 1.5])), "inplace": draw(st.booleans()),
                                "logit_scale": draw(st.sampled_from([1.0, 0.3, 2.5])),
-                               "logit_softcap": draw(st.sampled_from([None, 3.0, 30.0]))}
+                               "logit_softcap": draw(st.sampled_from([None, 3.0, 30.0])),
+                               # The sampler's kept set: random targets fall outside it too (-inf
+                               # log-probs, documented); the loss entries leave it to tests/loss.
+                               **draw(st.sampled_from([{}, {"sampling_top_k": 3}, {"sampling_top_p": 0.6},
+                                                       {"sampling_min_p": 0.2},
+                                                       {"sampling_top_k": 5, "sampling_top_p": 0.8}]))}
         return FuzzCase(**case)
 
     opts = draw(loss_options(entry, packed))

@@ -34,19 +34,22 @@ def main() -> int:
         compiled.append((dtype, "token_stats", compile_kernel(
             K.token_stats_kernel,
             {"logits_ptr": f"*{dtype}", "targets_ptr": "*i64", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
-             "lse_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64",
-             "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32"},
-            {"HAS_SOFTCAP": dtype == "bf16", "BLOCK_V": block},  # the soft-capped map once
+             "lse_ptr": "*fp32", "kept_min_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64",
+             "stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32"},
+            # the soft-capped map and the sampler's kept set once each
+            {"HAS_SOFTCAP": dtype == "bf16", "HAS_KEPT": dtype == "fp16", "BLOCK_V": block},
             aligned=["logits_ptr", "targets_ptr", "logp_ptr", "entropy_ptr", "lse_ptr", "stride_b", "stride_t", "vocab"],
         )))
         for has_h, has_mask in ((False, True), (True, False)):
-            compiled.append((dtype, f"logits_grad(entropy={has_h}, mask={has_mask}, softcap={has_h})", compile_kernel(
+            compiled.append((dtype, f"logits_grad(entropy={has_h}, mask={has_mask}, softcap+kept={has_h})", compile_kernel(
                 K.logits_grad_kernel,
                 {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "lse_ptr": "*fp32",
                  "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
-                 "row_mask_ptr": "*i1", "rows_per_batch": "i64", "stride_b": "i64", "stride_t": "i64", "grad_stride_b": "i64",
+                 "row_mask_ptr": "*i1", "kept_min_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64",
+                 "stride_t": "i64", "grad_stride_b": "i64",
                  "grad_stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32"},
-                {"HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": has_mask, "HAS_SOFTCAP": has_h, "BLOCK_V": block},
+                {"HAS_ENTROPY_GRAD": has_h, "HAS_ROW_MASK": has_mask, "HAS_SOFTCAP": has_h, "HAS_KEPT": has_h,
+                 "BLOCK_V": block},
                 aligned=["logits_ptr", "grad_ptr", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t", "vocab"],
             )))
     failures = 0

@@ -44,7 +44,8 @@ def _launch_config(logits: torch.Tensor) -> LaunchConfig:
 
 @torch.library.custom_op("gspo_kernels::triton_token_stats", mutates_args=())
 def _token_stats_op(
-    logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0
+    logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0,
+    kept_min: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = RowLayout.of(logits)
     logp, entropy, lse = (
@@ -53,20 +54,21 @@ def _token_stats_op(
     if layout.rows and layout.vocab:
         cfg = _launch_config(logits)
         kernels.token_stats_kernel[(layout.rows,)](
-            logits, targets, logp, entropy, lse,
+            logits, targets, logp, entropy, lse, lse if kept_min is None else kept_min,
             layout.rows_per_batch, layout.stride_b, layout.stride_t, layout.vocab,
             inv_temperature, softcap,
-            HAS_SOFTCAP=softcap > 0.0, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+            HAS_SOFTCAP=softcap > 0.0, HAS_KEPT=kept_min is not None, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
         )
     return logp, entropy, lse
 
 
 @_token_stats_op.register_fake
-def _(logits, targets, inv_temperature, softcap=0.0):
+def _(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
     return tuple(logits.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
 
 
-def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap):
+def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap,
+                 kept_min):
     layout = RowLayout.of(logits)
     out_layout = RowLayout.of(grad)
     if not (layout.rows and layout.vocab):
@@ -77,10 +79,11 @@ def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, r
         # Never read when the matching flag is False: any row vector stands in.
         grad_logp if grad_entropy is None else grad_entropy,
         targets if row_mask is None else row_mask,
+        lse if kept_min is None else kept_min,
         layout.rows_per_batch, layout.stride_b, layout.stride_t,
         out_layout.stride_b, out_layout.stride_t, layout.vocab, inv_temperature, softcap,
         HAS_ENTROPY_GRAD=grad_entropy is not None, HAS_ROW_MASK=row_mask is not None, HAS_SOFTCAP=softcap > 0.0,
-        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+        HAS_KEPT=kept_min is not None, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
 
 
@@ -88,15 +91,15 @@ def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, r
 def _logits_grad_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
     grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, row_mask: torch.Tensor | None,
-    inv_temperature: float, softcap: float = 0.0,
+    inv_temperature: float, softcap: float = 0.0, kept_min: torch.Tensor | None = None,
 ) -> torch.Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap)
+    _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap, kept_min)
     return grad
 
 
 @_logits_grad_op.register_fake
-def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0):
+def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0, kept_min=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -104,17 +107,17 @@ def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temp
 def _logits_grad_inplace_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
     grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, row_mask: torch.Tensor | None,
-    inv_temperature: float, softcap: float = 0.0,
+    inv_temperature: float, softcap: float = 0.0, kept_min: torch.Tensor | None = None,
 ) -> None:
     # Each program reads a block of its row before writing the same block: in place is safe,
     # as long as no two rows share memory.
     if not elements_disjoint(logits):
         raise ValueError("logits_grad_ needs logits whose rows do not share memory; use logits_grad")
-    _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap)
+    _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap, kept_min)
 
 
-def token_stats(logits, targets, inv_temperature, softcap=0.0):
-    return _token_stats_op(with_unit_vocab_stride(logits), targets, inv_temperature, softcap)
+def token_stats(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
+    return _token_stats_op(with_unit_vocab_stride(logits), targets, inv_temperature, softcap, kept_min)
 
 
 def logits_grad(logits, inputs: GradInputs):

@@ -167,7 +167,9 @@ def grads(hidden, weight, bias, inputs: GradInputs, need: tuple[bool, bool, bool
     is below it. invariant: no atomics, every sum in a fixed order (then filter_eps must be 0)."""
     need_hidden, need_weight, need_bias = need
     need_bias = need_bias and bias is not None
-    d_hidden, d_weight, d_bias = _grads_op(hidden, weight, bias, *inputs.op_args(), need_hidden, need_weight,
+    if inputs.kept_min is not None:  # LinearPlan refuses it first; the tiles take no kept set
+        raise NotImplementedError("the tile kernels (fused=True) take no sampler's kept set")
+    d_hidden, d_weight, d_bias = _grads_op(hidden, weight, bias, *inputs.op_args()[:-1], need_hidden, need_weight,
                                            need_bias, float(filter_eps), bool(invariant))
     return LinearGrads(d_hidden if need_hidden else None, d_weight if need_weight else None,
                        d_bias if need_bias else None)

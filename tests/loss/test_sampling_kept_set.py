@@ -1,0 +1,153 @@
+"""The sampler's kept set (sampling_top_k / _top_p / _min_p, or a given sampling_threshold): the
+log-probs and entropies of the softmax renormalised over the tokens vLLM's sampler keeps, on
+every backend and the chunked fused-linear path, against the float64 reference sampler
+(reference.sampler_kept: vLLM v1's min-p, top-k, top-p, read from its sampler)."""
+
+import math
+
+import pytest
+import torch
+
+import gspo_kernels as gk
+from gspo_kernels.testing import reference
+
+from conftest import BACKENDS, device_for
+
+FILTERS = [dict(sampling_top_k=4), dict(sampling_top_p=0.7), dict(sampling_min_p=0.15),
+           dict(sampling_top_k=12, sampling_top_p=0.85, sampling_min_p=0.02),
+           dict(sampling_top_p=0.9, logit_softcap=2.5, logit_scale=1.5)]
+
+
+def _id(options):
+    return ",".join(f"{k.removeprefix('sampling_').removeprefix('logit_')}={v}" for k, v in options.items())
+
+
+def _sampled(logits64, temperature, options, gen):
+    """Targets drawn from the reference sampler's distribution (every one inside its kept set)."""
+    z = logits64 * options.get("logit_scale", 1.0)
+    if "logit_softcap" in options:
+        z = options["logit_softcap"] * torch.tanh(z / options["logit_softcap"])
+    z = (z / temperature).reshape(-1, logits64.shape[-1])
+    kept = reference.sampler_kept(z, options.get("sampling_top_k"), options.get("sampling_top_p"),
+                                  options.get("sampling_min_p"), order=logits64.reshape(z.shape))
+    probs = torch.softmax(torch.where(kept, z, torch.full_like(z, -math.inf)), -1)
+    return torch.multinomial(probs, 1, generator=gen).reshape(logits64.shape[:-1]), probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", FILTERS, ids=_id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_tokens_log_probs_are_the_samplers(backend, options, dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(3, 6, 60, generator=gen)).to(dtype).to(device_for(backend))
+    targets, probs = _sampled(logits.double().cpu(), 0.8, options, gen)
+    logp = gk.selective_log_softmax(logits, targets.to(logits.device), 0.8, backend=backend, **options)
+    want = probs.gather(-1, targets.reshape(-1, 1)).log().reshape(targets.shape)
+    assert torch.isfinite(logp).all()
+    assert torch.allclose(logp.double().cpu(), want, atol=2e-6, rtol=0), (logp.double().cpu() - want).abs().max()
+
+
+@pytest.mark.parametrize("options", FILTERS, ids=_id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_gradients_and_targets_outside_the_kept_set(backend, options):
+    gen = torch.Generator().manual_seed(5)
+    logits = (2 * torch.randn(4, 5, 40, generator=gen)).to(device_for(backend))
+    targets = torch.randint(0, 40, (4, 5), generator=gen).to(logits.device)  # many outside the kept set
+    upstream = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    results = []
+    for fn, leaf in ((gk.selective_log_softmax, logits.clone()), (reference.selective_log_softmax, logits.double())):
+        leaf.requires_grad_()
+        extra = {"backend": backend} if fn is gk.selective_log_softmax else {}
+        lp, ent = fn(leaf, targets, 0.8, True, **extra, **options)
+        # A target outside the kept set has a -inf log-prob: its upstream gradient is 0 here.
+        finite = torch.isfinite(lp)
+        (torch.where(finite, lp.double() * upstream.to(lp.device), 0).sum() + 0.3 * ent.double().sum()).backward()
+        results.append((lp.detach().double().cpu(), ent.detach().double().cpu(), leaf.grad.double().cpu()))
+    (lp, ent, grad), (want_lp, want_ent, want_grad) = results
+    assert torch.equal(torch.isfinite(lp), torch.isfinite(want_lp)) and (~torch.isfinite(want_lp)).any()
+    assert (lp[~torch.isfinite(lp)] == -math.inf).all()  # never NaN
+    finite = torch.isfinite(want_lp)
+    assert torch.allclose(lp[finite], want_lp[finite], atol=2e-6)
+    assert torch.allclose(ent, want_ent, atol=2e-6)
+    assert torch.allclose(grad, want_grad, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_loss_against_the_reference(backend):
+    gen = torch.Generator().manual_seed(7)
+    logits = (2 * torch.randn(4, 6, 50, generator=gen)).to(device_for(backend))
+    options = dict(sampling_top_p=0.8, sampling_top_k=10, temperature=0.9)
+    targets, probs = _sampled(logits.double().cpu(), 0.9, options, gen)
+    logp = probs.gather(-1, targets.reshape(-1, 1)).log().reshape(targets.shape)
+    shift = torch.tensor([-0.01, 0.01, 0.0005, -0.0005], dtype=torch.float64)[:, None]  # the first two clip
+    old = (logp + shift).float().to(logits.device)
+    advantages = torch.tensor([1.0, -0.7, 0.4, -1.2], device=logits.device)
+    targets = targets.to(logits.device)
+    leaf, ref_leaf = logits.clone().requires_grad_(), logits.double().cpu().requires_grad_()
+    loss, metrics = gk.gspo_loss(leaf, targets, old, advantages, backend=backend, eps_low=0.002, eps_high=0.002,
+                                 entropy_coef=0.01, **options)
+    loss.backward()
+    want, want_metrics = reference.gspo_loss(ref_leaf, targets.cpu(), old.cpu(), advantages.cpu(), eps_low=0.002,
+                                             eps_high=0.002, entropy_coef=0.01, **options)
+    want.backward()
+    assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+    assert float((leaf.grad.double().cpu() - ref_leaf.grad).norm() / ref_leaf.grad.norm()) < 1e-5
+    assert 0 < float(want_metrics["clip_frac"]) < 1  # the ratios straddle the clip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_linear_chunked_path(backend):
+    gen = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(3, 5, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    targets = torch.randint(0, 40, (3, 5), generator=gen)
+    got = [t.clone().requires_grad_() for t in (hidden, weight)]
+    want = [t.double().requires_grad_() for t in (hidden, weight)]
+    options = dict(sampling_top_k=6, sampling_min_p=0.05, temperature=0.8, return_entropy=True)
+    lp, ent = gk.fused_linear_selective_log_softmax(*got, targets, backend=backend, chunk_size=4, **options)
+    want_lp, want_ent = reference.fused_linear_selective_log_softmax(*want, targets, **options)
+    finite = torch.isfinite(want_lp)
+    assert torch.equal(torch.isfinite(lp), finite) and (~finite).any()
+    (torch.where(finite, lp, 0).sum() + ent.sum()).backward()
+    (torch.where(finite, want_lp, 0).sum() + want_ent.sum()).backward()
+    for a, b in zip(got, want):
+        assert float((a.grad.double() - b.grad).norm() / b.grad.norm()) < 1e-5
+    with pytest.raises(NotImplementedError, match="fused=True"):
+        gk.fused_linear_selective_log_softmax(hidden, weight, targets, fused=True, sampling_top_k=6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_that_keep_every_token_are_bitwise_plain(backend):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 30, generator=gen).to(device_for(backend)) * 0.01  # nearly flat: min-p keeps all
+    targets = torch.randint(0, 30, (2, 4), generator=gen).to(logits.device)
+    runs = []
+    for options in ({}, {"sampling_min_p": 0.5, "sampling_top_k": 30}):
+        leaf = logits.clone().requires_grad_()
+        lp, ent = gk.selective_log_softmax(leaf, targets, 0.7, True, backend=backend, **options)
+        (lp.sum() + ent.sum()).backward()
+        runs.append((lp, ent, leaf.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_given_threshold_and_bad_input():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 3, 20, generator=gen)
+    targets = logits.argmax(-1)
+    threshold = logits.topk(5, -1).values[..., -1]  # an engine's report: its top-5's smallest raw logit
+    given = gk.selective_log_softmax(logits, targets, sampling_threshold=threshold)
+    computed = gk.selective_log_softmax(logits, targets, sampling_top_k=5)
+    assert torch.allclose(given, computed)
+    loss_given, _ = gk.gspo_loss(logits, targets, given.detach(), torch.ones(2), sampling_threshold=threshold)
+    assert torch.isfinite(loss_given)
+    with pytest.raises(ValueError, match="either as sampling_threshold or as sampling_top_k"):
+        gk.selective_log_softmax(logits, targets, sampling_threshold=threshold, sampling_top_k=5)
+    with pytest.raises(ValueError, match="sampling_threshold must be shaped like target_ids"):
+        gk.selective_log_softmax(logits, targets, sampling_threshold=threshold[0])
+    for bad, word in ((dict(sampling_top_k=0), "sampling_top_k"), (dict(sampling_top_p=0.0), "sampling_top_p"),
+                      (dict(sampling_min_p=1.5), "sampling_min_p"), (dict(sampling_top_k=2.5), "sampling_top_k")):
+        with pytest.raises(ValueError, match=word):
+            gk.GSPOConfig(**bad)
+    with pytest.raises(ValueError, match="shape the log-probs, which policy_loss is given"):
+        gk.policy_loss(given.detach(), given.detach(), torch.ones(2), sampling_top_p=0.9)
+    with pytest.raises(TypeError, match="ours is sampling_top_p"):
+        gk.gspo_loss(logits, targets, None, torch.ones(2), top_p=0.9)
