@@ -16,6 +16,13 @@ import torch
 
 from ..config import LinearConfig
 from ..linear import fused_linear_selective_log_softmax
+from ..token_stats.kept_set import SamplingFilter
+
+
+def _sampling_options(sampling: SamplingFilter | None) -> dict:
+    if sampling is None:
+        return {}
+    return {"sampling_top_k": sampling.top_k, "sampling_top_p": sampling.top_p, "sampling_min_p": sampling.min_p}
 
 
 def _call_as_forward(module: torch.nn.Module, fn, *args):
@@ -35,9 +42,10 @@ def _call_as_forward(module: torch.nn.Module, fn, *args):
 def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                      mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                      linear: LinearConfig | None = None, logit_scale: float = 1.0,
-                     logit_softcap: float | None = None):
+                     logit_softcap: float | None = None, sampling: SamplingFilter | None = None):
     """(log-probs, entropies) of `targets` under softmax(softcap(head(hidden) * logit_scale) /
-    temperature) (the model's own multiplier and soft-cap: model_logits.py), from
+    temperature) (the model's own multiplier and soft-cap: model_logits.py; sampling: the
+    generation's kept set, token_stats/kept_set.py), from
     fused_linear_selective_log_softmax on the head's weight and bias as its own forward sees
     them. dtype: what hidden, weight and bias are cast to (float32 for TRL's
     cast_lm_head_to_fp32; verl's fused forwards use the hidden states'); None: the weight's.
@@ -63,6 +71,6 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
             return fused_linear_selective_log_softmax(hidden.to(weight.dtype), weight, targets, bias=bias,
                                                       temperature=temperature, return_entropy=True, mask=mask,
                                                       logit_scale=logit_scale, logit_softcap=logit_softcap,
-                                                      linear=linear)
+                                                      linear=linear, **_sampling_options(sampling))
 
     return _call_as_forward(head, stats, hidden)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import GSPOConfig, LinearConfig
+from ...token_stats.kept_set import SamplingFilter
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 # Inputs of vision-language models: the fused path feeds text models only.
@@ -49,6 +50,10 @@ class TRLSettings:
     vllm_clip_max: float | None = None
     max_completion_length: int = 256
     batch_invariant: bool = False  # the drop-in's GRPOConfig field (absent from TRL's own: False)
+    sampling_aware_logprobs: bool = False  # the drop-in's GRPOConfig field (absent from TRL's own: False)
+    top_k: int | None = 0  # the generation's sampler (TRL: top_k 0 and top_p 1 apply nothing)
+    top_p: float = 1.0
+    min_p: float | None = None
 
     @staticmethod
     def of(trainer) -> "TRLSettings":
@@ -67,7 +72,9 @@ class TRLSettings:
             vllm_clip_min=trainer.vllm_importance_sampling_clip_min,
             vllm_clip_max=trainer.vllm_importance_sampling_clip_max,
             max_completion_length=trainer.max_completion_length,
-            batch_invariant=getattr(args, "batch_invariant", False))
+            batch_invariant=getattr(args, "batch_invariant", False),
+            sampling_aware_logprobs=getattr(args, "sampling_aware_logprobs", False),
+            top_k=trainer.top_k, top_p=trainer.top_p, min_p=trainer.min_p)
 
 
 def unsupported_setting(settings: TRLSettings) -> str | None:
@@ -129,6 +136,21 @@ def linear_config(settings: TRLSettings) -> LinearConfig:
     if not isinstance(value, bool):
         raise TypeError(f"GRPOConfig.batch_invariant must be True or False; got {value!r}")
     return LinearConfig(batch_invariant=value)
+
+
+def sampling_filter(settings: TRLSettings) -> SamplingFilter | None:
+    """The generation's kept set (TRL's top_k, top_p, min_p) when the drop-in's
+    sampling_aware_logprobs asks for it, else None (TRL's full-softmax log-probs); TypeError for
+    a flag that is not a bool."""
+    if not isinstance(settings.sampling_aware_logprobs, bool):
+        raise TypeError(f"GRPOConfig.sampling_aware_logprobs must be True or False; got "
+                        f"{settings.sampling_aware_logprobs!r}")
+    if not settings.sampling_aware_logprobs:
+        return None
+    top_k = settings.top_k if settings.top_k is not None and settings.top_k > 0 else None
+    top_p = settings.top_p if settings.top_p is not None and settings.top_p < 1.0 else None
+    min_p = settings.min_p if settings.min_p else None
+    return SamplingFilter(top_k, top_p, min_p)
 
 
 @dataclass(frozen=True)

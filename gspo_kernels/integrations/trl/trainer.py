@@ -26,6 +26,7 @@ import trl
 from accelerate.utils import is_peft_model
 
 from ...config import GSPOConfig, LinearConfig
+from ...token_stats.kept_set import SamplingFilter
 from ...policy_loss import policy_loss
 from ..announce import announce_fused
 from ..head import head_token_stats
@@ -43,11 +44,20 @@ class GRPOConfig(trl.GRPOConfig):
     entropy bits whatever batch its sequence is in (LinearConfig.batch_invariant,
     docs/fused_linear.md), in the training loss and the old and reference log-prob passes alike.
     The model body, which makes the hidden states, is not covered: it is batch-invariant only if
-    the model runs in a batch-invariant mode of its own. A plain trl.GRPOConfig reads as False."""
+    the model runs in a batch-invariant mode of its own. A plain trl.GRPOConfig reads as False.
+
+    sampling_aware_logprobs: the log-probs and entropies (training loss, old and reference
+    passes) of the distribution the generation sampled from: the softmax renormalised over the
+    tokens this config's top_k, top_p and min_p keep (token_stats/kept_set.py). Off (the
+    default): TRL's full-softmax log-probs, as TRL's own trainer."""
 
     batch_invariant: bool = field(default=False, metadata={
         "help": "gspo_kernels: bitwise batch-invariant log-probs and entropies from the fused-linear lm_head "
                 "(LinearConfig.batch_invariant); the model body is not covered."})
+    sampling_aware_logprobs: bool = field(default=False, metadata={
+        "help": "gspo_kernels: log-probs and entropies of the distribution the generation sampled from, the "
+                "softmax renormalised over the tokens top_k, top_p and min_p keep (as vLLM's processed "
+                "logprobs), in every log-prob pass; off: TRL's full-softmax ones."})
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class _StatsRequest:
     logit_softcap: float | None  # the model's own soft-cap (model_logits.py)
     head_in_fp32: bool
     linear: LinearConfig  # how the fused-linear call runs (options.linear_config)
+    sampling: SamplingFilter | None = None  # the generation's kept set (options.sampling_filter)
 
 
 def _install_stats_forward(model) -> None:
@@ -83,7 +94,8 @@ def _install_stats_forward(model) -> None:
         # (ZeRO-3) for it, as for its forward.
         return head_token_stats(self.get_output_embeddings(), hidden, gspo_stats.targets,
                                 temperature=gspo_stats.temperature, logit_scale=gspo_stats.logit_scale,
-                                logit_softcap=gspo_stats.logit_softcap, mask=gspo_stats.mask,
+                                logit_softcap=gspo_stats.logit_softcap, sampling=gspo_stats.sampling,
+                                mask=gspo_stats.mask,
                                 dtype=torch.float32 if gspo_stats.head_in_fp32 else None, linear=gspo_stats.linear)
 
     model.forward = types.MethodType(forward, model)
@@ -95,6 +107,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         options.linear_config(TRLSettings.of(self))  # a bad batch_invariant fails here, not at the first step
+        options.sampling_filter(TRLSettings.of(self))  # and so does a bad sampling_aware_logprobs
         self._gspo_warned: set[str] = set()
         self._gspo_in_fallback = False
         _install_stats_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
@@ -146,7 +159,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         request = _StatsRequest(input_ids[:, -completion_len:], attention_mask[:, -completion_len:] != 0,
                                 self.temperature, logit_scale_of(model_config), logit_softcap_of(model_config),
                                 bool(self.args.cast_lm_head_to_fp32),
-                                options.linear_config(TRLSettings.of(self)))
+                                options.linear_config(TRLSettings.of(self)), options.sampling_filter(TRLSettings.of(self)))
         with self.accelerator.autocast():  # the trainer's mixed precision for the backbone, as TRL runs it
             return model(input_ids=input_ids, attention_mask=attention_mask, gspo_stats=request)
 

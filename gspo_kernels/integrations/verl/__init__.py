@@ -28,7 +28,10 @@ verl's CausalLMOutputForPPO (log_probs, entropy). A model verl patches with its 
 `+actor_rollout_ref.model.fused_kernel_options.batch_invariant=True` runs that fused-linear call
 with LinearConfig(batch_invariant=True): verl's FSDP engine, where it builds the model, hands the
 option to the model (`_with_linear_options`); a value that is not a bool, or the option without
-this fused forward, is refused there.
+this fused forward, is refused there. `+actor_rollout_ref.model.fused_kernel_options.sampling_aware_logprobs`
+(a mapping of top_k, top_p, min_p, e.g. `{top_k: ${actor_rollout_ref.rollout.top_k}, top_p:
+${actor_rollout_ref.rollout.top_p}}`) makes those log-probs and entropies the rollout sampler's:
+the softmax renormalised over the tokens it kept (engine_hook.sampling_config).
 
 verl's Megatron backend: the same impl_backend key routes its engine's logits processor
 (use_fused_kernels=False) and its fused forward's linear_cross_entropy (use_fused_kernels=True)
@@ -44,7 +47,8 @@ seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 # monkey patch, in this order (each module does its part when imported).
 from .losses import POLICY_LOSSES, _warned  # noqa: F401  (_warned: the warn-once set, for tests)
 from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, forward_with_gspo_kernels
-from .engine_hook import _with_linear_options, linear_config  # noqa: F401
+from .engine_hook import _with_linear_options, linear_config, sampling_config  # noqa: F401
 from . import megatron_engine, patching  # noqa: F401
 
-__all__ = ["BACKEND", "LINEAR_ATTRIBUTE", "POLICY_LOSSES", "forward_with_gspo_kernels", "linear_config"]
+__all__ = ["BACKEND", "LINEAR_ATTRIBUTE", "POLICY_LOSSES", "forward_with_gspo_kernels", "linear_config",
+           "sampling_config"]

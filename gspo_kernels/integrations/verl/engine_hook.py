@@ -1,6 +1,7 @@
-"""`+actor_rollout_ref.model.fused_kernel_options.batch_invariant=true`: verl hands its model
-patch only `impl_backend`, so verl's FSDPEngine._build_module is wrapped to hand the model it
-builds a LinearConfig (linear_config). The engine module is wrapped when verl imports it, by a
+"""`+actor_rollout_ref.model.fused_kernel_options.batch_invariant=true` and `...sampling_aware_logprobs`:
+verl hands its model patch only `impl_backend`, so verl's FSDPEngine._build_module is wrapped to
+hand the model it builds a LinearConfig (linear_config) and the rollout's kept set
+(sampling_config). The engine module is wrapped when verl imports it, by a
 one-shot import hook: importing it here would fix verl's device platform too early."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import importlib.abc
 import importlib.util
 import sys
 
-from ...config import LinearConfig
-from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, forward_with_gspo_kernels
+from ...config import LinearConfig, check_sampling
+from ...token_stats.kept_set import SamplingFilter
+from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, SAMPLING_ATTRIBUTE, forward_with_gspo_kernels
 
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -33,6 +35,31 @@ def linear_config(model_config) -> LinearConfig | None:
     return LinearConfig(batch_invariant=value)
 
 
+def sampling_config(model_config) -> SamplingFilter | None:
+    """The kept set that verl's model config asks the fused forward's log-probs to follow through
+    `fused_kernel_options.sampling_aware_logprobs`, a mapping of top_k, top_p and min_p (verl's
+    rollout values, e.g. `top_k=${actor_rollout_ref.rollout.top_k}`; top_k <= 0, top_p = 1 and
+    min_p = 0 apply nothing); None when the key is absent. TypeError for anything else; ValueError
+    without this fused forward, which it would never reach."""
+    options = getattr(model_config, "fused_kernel_options", None) or {}
+    value = options.get("sampling_aware_logprobs")
+    if value is None:
+        return None
+    keys = set(value.keys()) if hasattr(value, "keys") else None
+    if keys is None or not keys <= {"top_k", "top_p", "min_p"}:
+        raise TypeError("fused_kernel_options.sampling_aware_logprobs must map top_k, top_p and/or min_p to the "
+                        f"rollout's values; got {value!r}")
+    if not (getattr(model_config, "use_fused_kernels", False) and options.get("impl_backend") == BACKEND):
+        raise ValueError("fused_kernel_options.sampling_aware_logprobs is an option of gspo_kernels' fused forward: "
+                         f"set use_fused_kernels=True and fused_kernel_options.impl_backend={BACKEND}")
+    top_k, top_p, min_p = value.get("top_k"), value.get("top_p"), value.get("min_p")
+    sampling = SamplingFilter(int(top_k) if top_k is not None and int(top_k) > 0 else None,
+                              float(top_p) if top_p is not None and float(top_p) < 1.0 else None,
+                              float(min_p) if min_p else None)
+    check_sampling(sampling.top_k, sampling.top_p, sampling.min_p)
+    return sampling if sampling.active else None
+
+
 def _with_linear_options(build):
     """verl's FSDPEngine._build_module, which reads fused_kernel_options and patches the model's
     forward, followed by handing linear_config's LinearConfig to the model it built: an instance
@@ -41,7 +68,13 @@ def _with_linear_options(build):
     @functools.wraps(build)
     def _build_module(self):
         linear = linear_config(self.model_config)  # a bad value fails before the weights load
+        sampling = sampling_config(self.model_config)
         module = build(self)
+        if sampling is not None:
+            if type(module).forward is not forward_with_gspo_kernels:
+                raise ValueError(f"fused_kernel_options.sampling_aware_logprobs: {type(module).__name__} runs verl's "
+                                 "own forward (see the warning above), which the option does not reach")
+            setattr(module, SAMPLING_ATTRIBUTE, sampling)
         if linear is not None:
             if linear.batch_invariant and type(module).forward is not forward_with_gspo_kernels:
                 raise ValueError(f"fused_kernel_options.batch_invariant=True: {type(module).__name__} runs verl's own "

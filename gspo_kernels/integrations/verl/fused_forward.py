@@ -14,6 +14,7 @@ from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_t
 
 BACKEND = "gspo_kernels"
 LINEAR_ATTRIBUTE = "gspo_kernels_linear"  # the LinearConfig a built model's fused forward runs with
+SAMPLING_ATTRIBUTE = "gspo_kernels_sampling"  # the rollout's kept set its log-probs follow (engine_hook)
 
 
 def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -48,6 +49,7 @@ def forward_with_gspo_kernels(self, input_ids=None, attention_mask=None, positio
     log_probs, entropy = head_token_stats(self.lm_head, hidden, targets, temperature=temperature, dtype=hidden.dtype,
                                           linear=getattr(self, LINEAR_ATTRIBUTE, None),
                                           logit_scale=logit_scale_of(self.config),
-                                          logit_softcap=logit_softcap_of(self.config))
+                                          logit_softcap=logit_softcap_of(self.config),
+                                          sampling=getattr(self, SAMPLING_ATTRIBUTE, None))
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)

@@ -434,3 +434,31 @@ def test_the_fused_path_says_so_once_per_process(trainers, capfd, monkeypatch):
     monkeypatch.setattr(announce, "_said", set())
     _run(ours, batch, case)
     assert "runs fused" not in capfd.readouterr().err
+
+
+def test_sampling_aware_logprobs_follow_the_generation_settings(tmp_path):
+    # GRPOConfig(sampling_aware_logprobs=True): the log-prob passes give the distribution the
+    # generation sampled from (top_k, top_p, min_p of the same config), against the float64
+    # reference sampler on the model's own logits; off, TRL's full softmax (the tests above).
+    from gspo_kernels.testing import reference
+
+    model = _model()
+    trainer = _trainer(GRPOTrainer, copy.deepcopy(model), tmp_path, config_cls=GRPOConfig,
+                       sampling_aware_logprobs=True, top_k=8, top_p=0.9, min_p=0.02, temperature=0.8)
+    batch = _batch(trainer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        got, entropy = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, COMPLETION,
+                                                                   compute_entropy=True)[:2]
+        logits = model.double()(input_ids=ids, attention_mask=attention).logits[:, -COMPLETION - 1:-1]
+    want, want_entropy = reference.selective_log_softmax(logits, batch["completion_ids"], 0.8, True,
+                                                         sampling_top_k=8, sampling_top_p=0.9, sampling_min_p=0.02)
+    mask = batch["completion_mask"].bool()
+    finite = torch.isfinite(want) & mask
+    assert torch.equal(torch.isfinite(got) & mask, finite) and (mask & ~finite).any()  # some outside the kept set
+    assert torch.allclose(got.double()[finite], want[finite], atol=1e-5)
+    assert torch.allclose(entropy.double()[mask], want_entropy[mask], atol=1e-5)
+    with pytest.raises(TypeError, match="sampling_aware_logprobs must be True or False"):
+        _trainer(GRPOTrainer, copy.deepcopy(model), tmp_path / "bad", config_cls=GRPOConfig,
+                 sampling_aware_logprobs="yes")

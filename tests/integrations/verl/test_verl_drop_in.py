@@ -280,6 +280,47 @@ def test_batch_invariant_option_is_read_and_validated():
             gk_verl.linear_config(config)
 
 
+def test_sampling_aware_option_is_read_and_validated():
+    from gspo_kernels.token_stats.kept_set import SamplingFilter
+
+    assert gk_verl.sampling_config(_model_config()) is None
+    rollout = {"top_k": 20, "top_p": 0.9}
+    assert gk_verl.sampling_config(_model_config(sampling_aware_logprobs=rollout)) == SamplingFilter(20, 0.9, None)
+    # verl's rollout defaults (top_k -1, top_p 1) keep every token: nothing to do.
+    assert gk_verl.sampling_config(_model_config(sampling_aware_logprobs={"top_k": -1, "top_p": 1.0})) is None
+    with pytest.raises(TypeError, match="must map top_k, top_p and/or min_p"):
+        gk_verl.sampling_config(_model_config(sampling_aware_logprobs={"topk": 3}))
+    with pytest.raises(ValueError, match="set use_fused_kernels=True"):
+        gk_verl.sampling_config(_model_config(backend="torch", sampling_aware_logprobs=rollout))
+
+
+def test_fused_forward_follows_the_rollouts_kept_set():
+    from verl.models.transformers import monkey_patch
+
+    from gspo_kernels.integrations.verl.fused_forward import SAMPLING_ATTRIBUTE
+    from gspo_kernels.testing import reference
+    from gspo_kernels.token_stats.kept_set import SamplingFilter
+
+    model = tiny_llama(vocab=64)
+    ids = torch.randint(0, 60, (3, 7))
+    with torch.no_grad():
+        logits = model.double()(input_ids=ids).logits
+        model.float()
+    want, want_entropy = reference.selective_log_softmax(logits, torch.roll(ids, -1, -1), 0.7, True,
+                                                         sampling_top_k=10, sampling_top_p=0.8)
+    original = type(model).forward
+    try:
+        monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="gspo_kernels")
+        setattr(model, SAMPLING_ATTRIBUTE, SamplingFilter(10, 0.8, None))  # what the engine's build hands it
+        out = model(input_ids=ids, temperature=0.7, return_dict=True)
+    finally:
+        type(model).forward = original
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(out.log_probs), finite) and (~finite).any()
+    assert torch.allclose(out.log_probs.double()[finite], want[finite], atol=2e-5)
+    assert torch.allclose(out.entropy.double(), want_entropy, atol=2e-5)
+
+
 def test_the_engine_build_refuses_before_loading_and_without_our_forward():
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
