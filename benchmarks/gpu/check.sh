@@ -8,10 +8,11 @@
 # H = 4096, V = 151936; runs the distributed code paths on NCCL in a group of one GPU. Logs and
 # JSON go to $OUT (the device tool brings them back).
 #
-#   device run:  bash benchmarks/gpu/check.sh [all|check|bench]   (default all)
-# "all" may pass 600 s (one device call's limit): run "check" (build, correctness,
-# sanitizer, NCCL, tests) and then "bench" (build again, a no-op on a warm machine; benchmarks)
-# as two calls, each with timeout_s ~ 540.
+#   device run:  bash benchmarks/gpu/check.sh [first|check|bench|invariant|all]   (default all)
+# "first" (benchmarks/gpu/first.sh) is the one to run first on a lent GPU: the headline truth
+# in at most 9 minutes, each step under its own timeout. The others each fit one call of at most
+# 9 minutes with the prebuilt extension (carry .prebuilt: benchmarks/gpu/prebuild.sh; without it
+# the build takes minutes of the call); "all" passes 600 s: never as one call.
 #   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
 #   trainers:    the "check" part's trainer step needs TRL, verl and what they import, which that
 #                machine lacks: here, `bash benchmarks/gpu/wheels.sh` (fills the git-ignored .whl/,
@@ -19,6 +20,7 @@
 #                them the step prints SKIPPED and the rest still runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+if [ "${1:-}" = first ]; then exec bash benchmarks/gpu/first.sh; fi
 OUT="${OUT:-$(mktemp -d)}"
 PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -38,8 +40,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 "$PY" -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__)"
 nvcc --version | tail -n 2 | head -n 1
 
-step "build (sm_${GSPO_CUDA_ARCHS})"
-if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+step "extension: prebuilt where its stamp matches, else built (sm_${GSPO_CUDA_ARCHS})"
+if ! "$PY" benchmarks/gpu/prebuilt.py install && ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
     tail -n 40 "$OUT/build.log"; exit 1
 fi
 "$PY" -c "import gspo_kernels.backends._C as c; print('extension with_cuda =', c.with_cuda)"

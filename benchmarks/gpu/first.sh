@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# `check.sh first`: the first GPU truth in one device call of at most 9 minutes. Each step runs
+# under its own timeout, cut to what is left of the part's budget (FIRST_BUDGET, default 530 s),
+# so a failing or slow step does not stop the rest; every step prints its command, its status and
+# its time. On a machine without a GPU (a rehearsal) the GPU steps print SKIPPED. The summary
+# (summary.json, summary.md) goes to $OUT; benchmarks/gpu/summarize.py --append adds summary.md
+# to benchmarks/RESULTS.md with the date and the GPU.
+#
+#   device run:  bash benchmarks/gpu/check.sh first      carry [".prebuilt", ".whl"], timeout_s ~570
+#   rehearsal:   bash benchmarks/gpu/check.sh first      (here: the GPU steps are skipped)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$(mktemp -d)}"
+PY="${PY:-python3}"
+export OUT PY PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + ${FIRST_BUDGET:-530}))
+STEPS="$OUT/first_steps.tsv"
+: > "$STEPS"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAVE_GPU=1; else HAVE_GPU=0; fi
+export HAVE_GPU
+
+# run NAME GPU(0|1) TIMEOUT COMMAND: the command through bash -c, under min(TIMEOUT, what is left).
+run() {
+    local name="$1" gpu="$2" limit="$3" cmd="$4" left=$((DEADLINE - SECONDS)) start=$SECONDS rc
+    [ "$limit" -gt "$left" ] && limit=$left
+    printf '\n=== %s (%s, timeout %s s)\n$ %s\n' "$name" "$(date +%T)" "$limit" "$cmd"
+    if [ "$gpu" = 1 ] && [ "$HAVE_GPU" = 0 ]; then
+        echo "SKIPPED: no GPU here"; printf '%s\tskipped: no GPU\t0\n' "$name" >> "$STEPS"; return
+    fi
+    if [ "$limit" -lt 10 ]; then
+        echo "SKIPPED: the part's budget is spent"; printf '%s\tskipped: budget\t0\n' "$name" >> "$STEPS"; return
+    fi
+    timeout "$limit" bash -c "$cmd"; rc=$?
+    local status="ok"; [ "$rc" = 124 ] && status="timed out"; [ "$rc" != 0 ] && [ "$rc" != 124 ] && status="failed (rc $rc)"
+    printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >> "$STEPS"
+    echo "--- $name: $status in $((SECONDS - start)) s"
+}
+
+run "machine and versions" 0 20 'if [ "$HAVE_GPU" = 1 ]; then nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu_name.txt"; else echo "no GPU"; fi;
+"$PY" -c "import torch, triton, sys; print(\"python\", sys.version.split()[0], \"| torch\", torch.__version__, \"| cuda\", torch.version.cuda, \"| triton\", triton.__version__)"'
+run "extension: the prebuilt one where its stamp matches" 0 20 '"$PY" benchmarks/gpu/prebuilt.py install || true'
+run "extension: built from source otherwise (sm_90)" 1 240 '"$PY" -c "import gspo_kernels.backends._C" 2>/dev/null && echo "extension present" || {
+    MAX_JOBS=16 GSPO_CUDA_ARCHS=90 "$PY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -n 30 "$OUT/build.log"; exit 1; }; }
+"$PY" -c "import gspo_kernels.backends._C as c; print(\"extension with_cuda =\", c.with_cuda)"'
+run "cuda and triton against the float64 reference, V = 1000 (fp32/bf16/fp16, padded/packed, fused linear)" 1 90 \
+    '"$PY" -m gspo_kernels check --backends cuda,triton --vocab 1000 2>&1 | tee "$OUT/check_v1000.txt" | tail -n 4'
+run "cuda and triton against the float64 reference, V = 151936" 1 90 \
+    '"$PY" -m gspo_kernels check --backends cuda,triton --vocab 151936 --batch 2 2>&1 | tee "$OUT/check_v151936.txt" | tail -n 4'
+run "the tile kernels (fused=True) against the float64 reference" 1 90 \
+    '"$PY" -m pytest tests/linear/test_fused_linear_tiled.py -q -x -p no:cacheprovider 2>&1 | tail -n 3'
+run "compute-sanitizer memcheck, each CUDA op once" 1 90 \
+    'compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/gpu/sanitizer_probe.py --once 2>&1 | tee "$OUT/memcheck.txt" | tail -n 4'
+run "forward + backward, N = 2048 and 16384, V = 151936, bf16: ours against eager and torch.compile" 1 150 \
+    '"$PY" -m gspo_kernels bench --shapes 2x1024x151936,16x1024x151936 --providers eager,compile,triton,cuda --reps 5 --budget 8 --json "$OUT/gpu_bench.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench.txt"'
+run "CUDA-graph replay against eager, N = 2048 and 16384" 1 60 \
+    '"$PY" benchmarks/gpu/cuda_graph.py --tokens 2048,16384 --vocab 151936 --backends cuda,triton --reps 10 --json "$OUT/gpu_cuda_graph.json" 2>&1 | tee "$OUT/gpu_cuda_graph.txt" | tail -n 8'
+run "fused linear, N = 16384, H = 4096, V = 151936, bf16, against the materialized path" 1 90 \
+    '"$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,fused,fused_tiles --modes fwd+bwd --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench_linear.txt"'
+run "batch invariance at N = 4096 (rows alone against in a batch)" 1 60 \
+    '"$PY" benchmarks/gpu/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles --sizes 4096 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" | tail -n 6'
+run "summary" 0 20 '"$PY" benchmarks/gpu/summarize.py "$OUT" | tee "$OUT/summary.md"'
+echo "first: done in $SECONDS s; steps:"
+column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
