@@ -151,3 +151,29 @@ def test_a_given_threshold_and_bad_input():
         gk.policy_loss(given.detach(), given.detach(), torch.ones(2), sampling_top_p=0.9)
     with pytest.raises(TypeError, match="ours is sampling_top_p"):
         gk.gspo_loss(logits, targets, None, torch.ones(2), top_p=0.9)
+
+
+@pytest.mark.parametrize("options", FILTERS, ids=_id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_rows(backend, options):
+    # Packed (N, V) logits with strided rows (a view into a wider buffer): the same as padded.
+    gen = torch.Generator().manual_seed(11)
+    wide = (2 * torch.randn(9, 45, generator=gen)).to(device_for(backend))
+    logits = wide[:, :40]
+    targets = torch.randint(0, 40, (9,), generator=gen).to(logits.device)
+    got = gk.selective_log_softmax(logits, targets, 0.9, True, backend=backend, **options)
+    want = reference.selective_log_softmax(logits.double().cpu(), targets.cpu(), 0.9, True, **options)
+    for a, b in zip(got, want):
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a.cpu()), finite)
+        assert torch.allclose(a.double().cpu()[finite], b[finite], atol=2e-6)
+
+
+@pytest.mark.parametrize("options", FILTERS, ids=_id)
+def test_gradcheck_float64(options):
+    gen = torch.Generator().manual_seed(13)
+    logits = (2 * torch.randn(2, 3, 12, generator=gen, dtype=torch.float64)).requires_grad_()
+    # Targets inside the kept set (the largest logit's), so that every log-prob is finite.
+    targets = logits.detach().argmax(-1)
+    assert torch.autograd.gradcheck(
+        lambda z: gk.selective_log_softmax(z, targets, 0.9, True, backend="torch", **options), (logits,))
