@@ -91,7 +91,7 @@ def compile_linear_kernels() -> int:
 
     failures = 0
     for dtype in ("bf16", "fp16", "fp32"):
-        ieee = dtype == "fp32"
+        ieee = dtype != "bf16"  # tile_ops._ieee: float32 products for float32 and float16
         # triton_linear.TileConfig.default on a GPU (written out: this script runs uninterpreted)
         tiles = TileConfig(32, 64, 32, 8) if ieee else TileConfig(64, 128, 32, 8)
         blocks = {"BLOCK_N": tiles.block_n, "BLOCK_V": tiles.block_v, "BLOCK_H": tiles.block_h}
@@ -124,9 +124,10 @@ def compile_linear_kernels() -> int:
             registers, spills = spill_bytes(k.asm["ptx"])
             print(f"{dtype:5s} {name:38s} sm_90 cubin {len(k.asm['cubin']):6d} B, {registers} registers, "
                   f"spill bytes: {spills}")
-            # Known: the batch-invariant backward in float32 spills 56 bytes (128 registers, triton
-            # 3.8); held there so that it cannot grow unnoticed. Every other kernel spills nothing.
-            allowed = 64 if dtype == "fp32" and name.endswith("(invariant)") else 0
+            # Known: the batch-invariant backward with float32 products (float32 and float16 inputs)
+            # spills 56 bytes (128 registers, triton 3.8); held there so that it cannot grow
+            # unnoticed. Every other kernel spills nothing.
+            allowed = 64 if dtype != "bf16" and name.endswith("(invariant)") else 0
             failures += spills > allowed
     return failures
 

@@ -39,11 +39,25 @@ _SUM_DOT: tl.constexpr = tl.constexpr(INTERPRETED)
 def _dot(a, b, acc, IEEE: tl.constexpr):
     """a @ b + acc in float32. IEEE: float32 products (float32 inputs, and the interpreter,
     whose numpy dot cannot take 16-bit operands: they are upcast first, exactly)."""
+    # One branch taken, one return: compiled Triton type-checks code after a constexpr branch's
+    # return too (a float32 dz against float16 weights).
     if _SUM_DOT:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    elif IEEE:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _dz_operand(dz, h_ptr):
+    """dz as the backward's products take it: rounded to bfloat16 for bfloat16 inputs, float32
+    otherwise (float16's range does not hold large gradients; its products are IEEE)."""
+    out = dz
+    if h_ptr.dtype.element_ty == tl.bfloat16:
+        out = dz.to(tl.bfloat16)
+    return out
 
 
 @triton.jit
@@ -160,9 +174,10 @@ def linear_grad_kernel(
                             softcap, filter_eps, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, FILTER, HAS_SOFTCAP, IEEE,
                             BLOCK_N, BLOCK_V, BLOCK_H)
     if active:
-        # 16-bit inputs: dz rounded once to their dtype for the tensor-core products (as
-        # Liger and Cut Cross Entropy do); float32 inputs keep it in float32.
-        dz_in = dz.to(h_ptr.dtype.element_ty)
+        # bfloat16 inputs: dz rounded once to their dtype for the tensor-core products (as
+        # Liger and Cut Cross Entropy do); float32 and float16 inputs keep it in float32 (IEEE
+        # products: a float16 dz would overflow past 65504, as large ratios' gradients do).
+        dz_in = _dz_operand(dz, h_ptr)
         ks = tl.arange(0, BLOCK_H)
         for k0 in range(0, hidden_size, BLOCK_H):
             kk = k0 + ks
@@ -205,7 +220,7 @@ def linear_hidden_grad_kernel(
                                 grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
                                 stride_w, inv_temperature, softcap, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK,
                                 False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
-        dz_in = dz.to(h_ptr.dtype.element_ty)
+        dz_in = _dz_operand(dz, h_ptr)
         for k0 in range(0, hidden_size, BLOCK_H):
             kk = k0 + ks
             k_ok = kk[None, :] < hidden_size
@@ -239,7 +254,7 @@ def linear_weight_grad_kernel(
         if NEED_DB:
             bias_sum += tl.sum(dz, 0)
         if NEED_DW:
-            dz_in = dz.to(h_ptr.dtype.element_ty)
+            dz_in = _dz_operand(dz, h_ptr)
             for k0 in range(0, hidden_size, BLOCK_H):
                 kk = k0 + ks
                 k_ok = kk[None, :] < hidden_size

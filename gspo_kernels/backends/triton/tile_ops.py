@@ -36,7 +36,7 @@ class TileConfig:
         # unmeasured (docs/performance.md, "Unmeasured").
         if INTERPRETED:
             return TileConfig(16, 32, 16, 4)
-        if dtype == torch.float32:
+        if dtype in (torch.float32, torch.float16):  # float32 products (_ieee)
             return TileConfig(32, 64, 32, 8)
         return TileConfig(64, 128, 32, 8)
 
@@ -46,8 +46,10 @@ def available(device: torch.device) -> bool:
 
 
 def _ieee(hidden: torch.Tensor) -> bool:
-    """float32 products: for float32 inputs (not TF32), and always in the interpreter."""
-    return hidden.dtype == torch.float32 or INTERPRETED
+    """float32 products: for float32 inputs (not TF32); for float16 ones, whose backward keeps dz
+    in float32 (it can pass float16's 65504, where bfloat16's range holds it); always in the
+    interpreter."""
+    return hidden.dtype in (torch.float32, torch.float16) or INTERPRETED
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
