@@ -31,9 +31,9 @@ from . import corrections
 from ..config import GSPOConfig
 from .gradient import attach_gradient
 from ..inputs.checks import LossBatch
-from .kl import kl_penalty
+from .kl import kl_penalty, kl_slope_plus_estimate
 from .objectives import PolicyInputs, gmpo_log_ratio, policy_term
-from .ratio import importance_ratio
+from .ratio import ImportanceRatio, importance_ratio
 
 
 @dataclass(frozen=True)
@@ -84,18 +84,25 @@ class _Term:
     d_ratio: torch.Tensor | None
 
 
-def _kl_term(config: GSPOConfig, logp, ref_logp, ratio, response_only):
+def _kl_term(config: GSPOConfig, logp, ref_logp, ratio: ImportanceRatio, response_only):
     """(the kl metric per token, the beta * KL term of the loss or None when beta = 0). With
     use_bias_correction_kl (TRL's) the KL is weighted by the (differentiable) importance ratio,
     and the metric reads that corrected estimate too, as TRL's does."""
     kl, d_kl = kl_penalty(logp, ref_logp, config.kl_estimator, config.kl_clamp)
+    ratio_value = ratio.value
     # An overflowed ratio (log_ratio_clamp open) times a padding row's KL of 0 would be NaN there.
-    corrected = response_only(kl * ratio) if config.use_bias_correction_kl else kl
+    corrected = response_only(kl * ratio_value) if config.use_bias_correction_kl else kl
     if config.beta == 0:  # KL is a metric only; an infinite one leaves the loss alone
         return corrected, None
     beta = config.beta
+    if config.use_bias_correction_kl and not ratio.per_sequence:
+        # Token levels: where d r_t / d logp_t is r_t (no clamp holds) the two parts of the
+        # gradient join as r_t * (d kl / d logp + kl), taken without k3's cancellation.
+        together = kl_slope_plus_estimate(logp, ref_logp, config.kl_estimator, config.kl_clamp)
+        joined = torch.where(ratio.slope == ratio_value, together, d_kl)
+        return corrected, _Term(beta * corrected, beta * joined * ratio_value, None)
     if config.use_bias_correction_kl:
-        return corrected, _Term(beta * corrected, beta * d_kl * ratio, beta * kl)
+        return corrected, _Term(beta * corrected, beta * d_kl * ratio_value, beta * kl)
     return corrected, _Term(beta * kl, beta * d_kl, None)
 
 
@@ -172,7 +179,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     d_ratio = None if policy_ratio is not ratio else d_policy_ratio
     kl = None
     if batch.ref_logprobs is not None:
-        kl, penalty = _kl_term(config, x.logp, response_only(batch.ref_logprobs), ratio.value, response_only)
+        kl, penalty = _kl_term(config, x.logp, response_only(batch.ref_logprobs), ratio, response_only)
         if penalty is not None:
             per_token, d_logp, d_ratio = per_token + penalty.value, _plus(d_logp, penalty.d_logp), \
                 _plus(d_ratio, penalty.d_ratio)

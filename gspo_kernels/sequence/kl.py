@@ -32,3 +32,19 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp
         return kl, slope
     clamped, passes = clamp_with_slope(kl, -clamp, clamp)
     return clamped, slope * passes
+
+
+def kl_slope_plus_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float | None = None):
+    """d estimate / d logp + estimate, as the bias-corrected KL's gradient at a token level needs
+    it (d(kl * r) / d logp = r * (d kl / d logp + kl) where d r / d logp = r), without the
+    cancellation of k3's two exp(ref - logp) terms: float32 summed 1 - e^x and e^x - x - 1 at
+    e^x ~ 1e13 into noise where the sum is -x. Where a clamp holds, the slope is 0 and the sum
+    is the estimate."""
+    kl, slope = kl_penalty(logp, ref_logp, estimator, clamp)
+    if estimator != "k3":
+        return slope + kl
+    log_ratio = ref_logp - logp
+    exact = -log_ratio  # (1 - e^x) + (e^x - x - 1), x = log_ratio
+    if clamp is None:
+        return exact
+    return torch.where(slope != 0, exact, kl)
