@@ -74,7 +74,9 @@ class TRLSettings:
             max_completion_length=trainer.max_completion_length,
             batch_invariant=getattr(args, "batch_invariant", False),
             sampling_aware_logprobs=getattr(args, "sampling_aware_logprobs", False),
-            top_k=trainer.top_k, top_p=trainer.top_p, min_p=trainer.min_p)
+            # The generation's sampler: read only with sampling_aware_logprobs (stand-ins may lack it).
+            top_k=getattr(trainer, "top_k", 0), top_p=getattr(trainer, "top_p", 1.0),
+            min_p=getattr(trainer, "min_p", None))
 
 
 def unsupported_setting(settings: TRLSettings) -> str | None:
