@@ -178,6 +178,8 @@ def _term_scales(built):
     ratio = row_ratios(built)
     factor = 8.0 if built.options.get("objective") == "sapo" else 2.0
     policy = factor * row_advantages(built) * ratio.clamp(min=1.0)
+    if built.options.get("objective") == "cispo":  # its term is -sg(clip(r)) A lp: |lp| times that
+        policy = policy * torch.nan_to_num(built.lp64.abs(), nan=0.0, posinf=0.0).clamp(min=1.0)
     kl, d1, d2 = _kl_parts(built)
     bias = ratio if built.options.get("use_bias_correction_kl") else torch.ones_like(ratio)
     beta = built.options.get("beta", 0.0)
@@ -217,6 +219,10 @@ def loss_precision(built, d_logprob) -> float:
         u = torch.nan_to_num(d_logprob.detach().abs(), nan=0.0, posinf=0.0)
     value, _ = _term_scales(built)
     out = log_prob_precision(built) * u + 4 * F32_RELATIVE * row_weights(built) * value
+    if built.options.get("objective") == "cispo":
+        # Its weight sg(clip(r)) is off by r times the log-ratio's error, which d loss / d lp
+        # (the stop-gradient's zero) does not carry: the term moves by that fraction of itself.
+        out = out + log_prob_precision(built) * row_weights(built) * value
     return float(out[built.in_response].sum())
 
 
