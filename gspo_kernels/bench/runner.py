@@ -113,7 +113,7 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
     timed = _timed_modes(cfg, m.provider)
     reason = m.provider.unavailable(cfg.device)
     if reason is not None:
-        for _ in range(len(timed) + int(cfg.measure_memory)):
+        for _ in range(len(timed) + int(cfg.measure_memory and bool(timed))):
             progress.step(f"{m.label}: skipped")
         return [BenchRow(**m.base, mode=mode, status="skipped", note=reason) for mode in cfg.modes]
     rows = [BenchRow(**m.base, mode=mode, status="skipped", note="timed without --quick")
@@ -126,7 +126,7 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
             ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
             floor = None if m.floor_ms is None else m.floor_ms(mode) / ms
             rows.append(BenchRow(**m.base, mode=mode, status="ok", median_ms=ms, floor_fraction=floor))
-        if cfg.measure_memory:
+        if cfg.measure_memory and timed:  # a provider the quick suite leaves out is not run at all
             progress.step(f"{m.label} peak memory")
             peak = m.peak_bytes(step)
             for r in rows:
@@ -171,5 +171,6 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
 
 def steps_in(cfg: SuiteConfig) -> int:
     """Progress steps the suite will report (modes, plus a memory step per provider)."""
-    per_shape = sum(len(_timed_modes(cfg, PROVIDERS[p])) + int(cfg.measure_memory) for p in cfg.providers)
+    per_shape = sum(len(timed) + int(cfg.measure_memory and bool(timed))
+                    for timed in (_timed_modes(cfg, PROVIDERS[p]) for p in cfg.providers))
     return len(cfg.shapes) * per_shape

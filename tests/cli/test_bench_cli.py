@@ -130,3 +130,15 @@ def test_bench_megatron_rows(capsys):
         assert shard > 0 and peak >= 0 and step >= 0, row
     assert main(["bench", "--megatron", "500x2000"]) == 2  # N not a multiple of 512: a message, no run
     assert "multiple of 512" in capsys.readouterr().out
+
+
+def test_quick_suite_leaves_the_kept_set_providers_to_the_full_one():
+    # Their PyTorch pre-pass takes seconds a call on a CPU: the main job (quick) neither times
+    # nor builds them; the full suite does both, and keeps the transforms' cheap providers.
+    from gspo_kernels.bench.problem import Shape
+    from gspo_kernels.bench.runner import SuiteConfig, steps_in
+
+    shape = (Shape.parse("1x8x16"),)
+    for quick, want in ((True, 0), (False, 4)):
+        assert steps_in(SuiteConfig(shapes=shape, providers=("tx_top_k",), quick=quick, device="cpu")) == want
+    assert steps_in(SuiteConfig(shapes=shape, providers=("tx_softcap",), quick=True, device="cpu")) == 4
