@@ -61,6 +61,17 @@ def _logprob_checks(rank):
         found[f"grad_{name}"] = _relative(ours_in.grad, theirs_in.grad)
         probs = torch.softmax(logits.double().transpose(0, 1), -1)
         found[f"entropy_{name}"] = _relative(entropy, -(probs * probs.log()).sum(-1))
+    # The model's soft-cap and scale on the shard (Gemma-style): against float64 on the whole logits.
+    logits, labels, _, _, _, upstream = _problem(torch.float32)
+    whole = logits.double().transpose(0, 1).requires_grad_()
+    z = 2.0 * torch.tanh(whole * 1.5 / 2.0)
+    want = torch.log_softmax(z, -1).gather(-1, labels[..., None])[..., 0]
+    (want * upstream).sum().backward()
+    ours_in = _shard(logits, rank).clone().requires_grad_()
+    lp = gm.token_logprobs(ours_in, labels, logit_scale=1.5, logit_softcap=2.0)
+    (lp * upstream).sum().backward()
+    found["logp_softcap_float32"] = _relative(lp, want)
+    found["grad_softcap_float32"] = _relative(ours_in.grad, _shard(whole.grad.transpose(0, 1), rank))
     return found
 
 
