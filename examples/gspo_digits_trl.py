@@ -1,7 +1,7 @@
 """The digit-sum task of gspo_digits.py, trained by TRL's trainer through the gspo_kernels
 drop-in, on a CPU, with nothing downloaded:
 
-    python examples/gspo_digits_trl.py          # about a minute on 2 cores
+    python examples/gspo_digits_trl.py          # 10 s to a minute and a half on 2 cores, by the CPU's bf16
 
 The only gspo_kernels line is the import of GRPOTrainer; everything else is TRL's usual set-up:
 a dataset of prompts ("s17": answer with digits that sum to 17), a reward function on the
