@@ -221,10 +221,12 @@ def _force_positive(case, per_seq, per_tok, seq_rows):
     gate of CISPO, GMPO, VESPO) bounds the term, so float32 and float64 agree on a finite value.
     (With A <= 0 an overflowing ratio is inf * A in float32, NaN at A = 0: the documented
     price of log_ratio_clamp=(None, ...), which the float64 reference does not pay.)
-    A stride-0 layout repeats one value (or row) of another sequence over every token, so
-    there every advantage is made positive."""
+    A stride-0 layout of the advantages or of the old log-probs repeats one value (or row) of
+    another sequence over every token (an overflowing sequence's old log-prob overflows them
+    all), so there every advantage is made positive."""
     overflow = [i < len(case.zones) and case.zones[i] == "overflow" for i in range(len(seq_rows))]
-    if any(overflow) and _layout_of(case, "advantages") in ("expanded", "row_expanded"):
+    repeated = ("expanded", "row_expanded")
+    if any(overflow) and (_layout_of(case, "advantages") in repeated or _layout_of(case, "old") in repeated):
         overflow = [True] * len(seq_rows)
     for i, rows in enumerate(seq_rows):
         if overflow[i]:
