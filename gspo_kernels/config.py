@@ -127,7 +127,8 @@ def _bool(name: str, value) -> None:
 
 class _NamedOptions:
     """Base of the option dataclasses: a keyword that is no option is refused with the nearest
-    valid name and the list of them (_raise_unknown), where Python's own error names neither."""
+    valid name and the list of them (_raise_unknown), where Python's own error names neither.
+    The valid names are module constants: torch.compile cannot trace dataclasses.fields."""
 
     __slots__ = ()
 
@@ -321,16 +322,6 @@ TRAINER_NAMES = {"epsilon": "eps_low", "epsilon_low": "eps_low", "epsilon_high":
                  "final_logit_softcapping": "logit_softcap"}
 
 
-def _unknown_options(kind: type, options: dict) -> None:
-    """TypeError naming each unknown option with the nearest valid one (or the trainer name's
-    counterpart) and listing the valid ones; Python's own error would name neither. The valid
-    names are module constants: torch.compile cannot trace dataclasses.fields."""
-    valid = _OPTION_NAMES[kind]
-    unknown = [name for name in options if name not in valid]
-    if unknown:
-        _raise_unknown(kind, unknown, valid)
-
-
 def _raise_unknown(kind: type, unknown: list, valid: tuple) -> None:
     hints = []
     for name in unknown:
@@ -350,8 +341,7 @@ def resolve_config(config, options: dict, kind: type = GSPOConfig, argument: str
     """`config` when given (then no keyword options may come with it), else kind(**options).
     argument: the entry point's name for `config`, for the errors."""
     if config is None:
-        _unknown_options(kind, options)
-        return kind(**options)
+        return kind(**options)  # an unknown option is refused by name there (_NamedOptions)
     if not isinstance(config, kind):
         raise TypeError(f"{argument} must be a {kind.__name__}; got {type(config).__name__}")
     if options:

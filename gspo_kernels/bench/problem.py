@@ -9,6 +9,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
+MODES = ("forward", "backward", "fwd+bwd")  # what a Step is timed in (timing.py)
 
 
 def parse_dims(text: str, expected: str) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ import torch
 from .. import backends
 from ..testing import reference
 from ..loss import gspo_loss
-from .problem import EPS_HIGH, EPS_LOW, BenchProblem
+from .problem import EPS_HIGH, EPS_LOW, MODES, BenchProblem
 
 
 def gspo_from_logprobs(logp, old, adv, mask):
@@ -150,7 +150,6 @@ FAMILY = {
 # The kept set's PyTorch pre-pass takes seconds a call on a CPU (2.1 s and 13 s at N = 4096,
 # V = 32768, one thread): the quick suite (the main job's) leaves them to the full one.
 FULL_ONLY_FAMILY = {"tx_top_k", "tx_top_p"}
-ALL_MODES = ("forward", "backward", "fwd+bwd")  # timing.MODES (timing imports this module)
 
 
 def _family(options):
@@ -234,6 +233,6 @@ PROVIDERS = {
         Provider("cuda", _ours("cuda"), _ours_available("cuda"), ours=True),
     ]
     + [Provider(name, _family(options), _always, ours=True,
-                full_only_modes=ALL_MODES if name in FULL_ONLY_FAMILY else ()) for name, options in FAMILY.items()]
+                full_only_modes=MODES if name in FULL_ONLY_FAMILY else ()) for name, options in FAMILY.items()]
 }
 BASELINE = "eager"

@@ -40,22 +40,25 @@ def _sample_positions(total: int, cp_rank: int, cp_size: int) -> torch.Tensor:
 
 
 def slime_layout(batch, rows: int, device, cp_rank: int = 0, cp_size: int = 1) -> SlimeLayout:
-    targets = torch.zeros(rows, dtype=torch.long)
-    response_rows, full_index, local_lengths = [], [], []
-    offset = full_offset = 0
-    for tokens, total, response in zip(batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"]):
+    """The layout of this rank's rows. The indices come from the lengths (host integers); the
+    tokens are gathered where they live, in one indexing: no device value is read on the host."""
+    response_rows, full_index, token_index, local_lengths = [], [], [], []
+    offset = full_offset = token_offset = 0
+    for total, response in zip(batch["total_lengths"], batch["response_lengths"]):
         positions = _sample_positions(total, cp_rank, cp_size)
         prompt = total - response
-        in_response = (positions >= prompt - 1) & (positions < total - 1)
-        local = in_response.nonzero().flatten()
-        if offset + positions.numel() <= rows:
-            targets[offset + local] = tokens.cpu()[positions[local] + 1]
+        local = ((positions >= prompt - 1) & (positions < total - 1)).nonzero().flatten()
         response_rows.append(offset + local)
         full_index.append(full_offset + positions[local] - (prompt - 1))
+        token_index.append(token_offset + positions[local] + 1)  # row p predicts token p + 1
         local_lengths.append(int(local.numel()))
         offset += positions.numel()
         full_offset += response
+        token_offset += total
     if offset > rows:
         raise ValueError(f"the samples' total_lengths take {offset} rows on this rank but the logits hold {rows}")
-    return SlimeLayout(targets.to(device), torch.cat(response_rows).to(device), local_lengths,
-                       torch.cat(full_index).to(device))
+    response_rows = torch.cat(response_rows).to(device)
+    tokens = torch.cat([t[:total] for t, total in zip(batch["unconcat_tokens"], batch["total_lengths"])]).to(device)
+    targets = torch.zeros(rows, dtype=torch.long, device=device)
+    targets[response_rows] = tokens[torch.cat(token_index).to(device)]
+    return SlimeLayout(targets, response_rows, local_lengths, torch.cat(full_index).to(device))
