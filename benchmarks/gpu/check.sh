@@ -6,7 +6,7 @@
 # kernel variant, runs the test suite on the GPU, and benchmarks forward + backward at
 # N = 16384, V = 151936, bf16 against the byte floor, and the fused-linear loss at N = 16384,
 # H = 4096, V = 151936; runs the distributed code paths on NCCL in a group of one GPU. Logs and
-# JSON go to $OUT (the device tool brings them back).
+# JSON go to $OUT (a device run brings them back).
 #
 #   device run:  bash benchmarks/gpu/check.sh [first|check|bench|invariant|all]   (default all)
 # "first" (benchmarks/gpu/first.sh) is the one to run first on a lent GPU: the headline truth
