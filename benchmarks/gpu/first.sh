@@ -12,7 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 PY="${PY:-python3}"
-export OUT PY PYTHONUNBUFFERED=1
+# The scripts under benchmarks/gpu import gspo_kernels from this tree; Triton compiles for the GPU
+# (tests/conftest.py would otherwise turn its interpreter on and run the Triton tests on the CPU).
+export OUT PY PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEADLINE=$((SECONDS + ${FIRST_BUDGET:-530}))
 STEPS="$OUT/first_steps.tsv"
 : > "$STEPS"
@@ -58,6 +60,21 @@ run "fused linear, N = 16384, H = 4096, V = 151936, bf16, against the materializ
     '"$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,fused,fused_tiles --modes fwd+bwd --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench_linear.txt"'
 run "batch invariance at N = 4096 (rows alone against in a batch)" 1 60 \
     '"$PY" benchmarks/gpu/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles --sizes 4096 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" | tail -n 6'
-run "summary" 0 20 '"$PY" benchmarks/gpu/summarize.py "$OUT" | tee "$OUT/summary.md"'
+run "summary" 0 20 '"$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md" && head -n 20 "$OUT/summary.md"'
+# What the budget leaves after the headline goes to these, in this order; each is skipped once
+# the budget is spent. The wheels (.whl, benchmarks/gpu/wheels.sh) are needed by Megatron-Core only.
+run "distributed: the NCCL path in a group of one GPU" 1 60 \
+    '"$PY" benchmarks/gpu/nccl_group_of_one.py 2>&1 | tee "$OUT/nccl_group_of_one.txt" | tail -n 9'
+run "test suite on the GPU: the cuda and triton tests (one line a test)" 1 240 \
+    '"$PY" -m pytest tests -v -p no:cacheprovider --maxfail 25 -k "(cuda or triton) and not compile" > "$OUT/pytest_gpu.txt" 2>&1; rc=$?;
+grep -E "FAILED|ERROR" "$OUT/pytest_gpu.txt" | head -n 30; tail -n 2 "$OUT/pytest_gpu.txt"; exit $rc'
+run "Megatron-Core against ours, N = 16384, V = 151936, bf16 (needs .whl)" 1 120 \
+    'compgen -G ".whl/*.whl" >/dev/null || { echo "SKIPPED: no .whl carried"; exit 0; };
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site";
+"$PY" benchmarks/gpu/megatron_group_of_one.py --json "$OUT/gpu_megatron.json" 2>&1 | tee "$OUT/gpu_megatron.txt" | tail -n 6'
+"$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md"  # again, with the steps after the headline
 echo "first: done in $SECONDS s; steps:"
 column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
+# A device run brings back at most 8 files: everything but the summary travels in one archive.
+(cd "$OUT" && tar czf first_logs.tgz --exclude summary.md --exclude summary.json --exclude first_logs.tgz . 2>/dev/null \
+    && find . -maxdepth 1 -type f ! -name summary.md ! -name summary.json ! -name first_logs.tgz -delete)

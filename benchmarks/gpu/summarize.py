@@ -15,7 +15,7 @@ import sys
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "RESULTS.md"
 TABLES = ("check_v1000.txt", "check_v151936.txt", "memcheck.txt", "gpu_bench.txt", "gpu_cuda_graph.txt",
-          "gpu_bench_linear.txt", "batch_invariance.txt")
+          "gpu_bench_linear.txt", "batch_invariance.txt", "nccl_group_of_one.txt", "gpu_megatron.txt")
 
 
 def _steps(out: pathlib.Path) -> list[dict]:
