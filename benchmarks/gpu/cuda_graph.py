@@ -66,7 +66,13 @@ def _time_ms(fn, reps: int, device: str) -> float:
 
 
 def _capture(backend: str, inputs):
-    """(graph, static loss, static grad) of one call on the static `inputs`."""
+    """(graph, static loss, static grad) of one call on the static `inputs`.
+
+    The logits leaf is made anew here: an autograd node of it made on the default stream and
+    still alive (an eager call's loss) makes the captured backward wait on the default stream,
+    which CUDA refuses during capture (cudaErrorStreamCaptureImplicit, seen on an H200 with
+    torch 2.11)."""
+    inputs = (inputs[0].detach().requires_grad_(), *inputs[1:])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -74,7 +80,7 @@ def _capture(backend: str, inputs):
             _call(backend, *inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         loss, grad = _call(backend, *inputs)
     return graph, loss, grad
 
@@ -85,7 +91,7 @@ def run(tokens_list, vocab: int, backends, reps: int, device: str):
         inputs = _problem(tokens, vocab, device)
         floor_ms = 3 * tokens * vocab * 2 / H200_COPY_BYTES_PER_S * 1e3
         for backend in backends:
-            eager_loss, eager_grad = _call(backend, *inputs)
+            eager_loss, eager_grad = (t.detach() for t in _call(backend, *inputs))
             eager_ms = _time_ms(lambda: _call(backend, *inputs), reps, device)
             graph_ms = None
             if device == "cuda":

@@ -32,7 +32,7 @@ run() {
     if [ "$limit" -lt 10 ]; then
         echo "SKIPPED: the part's budget is spent"; printf '%s\tskipped: budget\t0\n' "$name" >> "$STEPS"; return
     fi
-    timeout "$limit" bash -c "$cmd"; rc=$?
+    timeout "$limit" bash -o pipefail -c "$cmd"; rc=$?
     local status="ok"; [ "$rc" = 124 ] && status="timed out"; [ "$rc" != 0 ] && [ "$rc" != 124 ] && status="failed (rc $rc)"
     printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >> "$STEPS"
     echo "--- $name: $status in $((SECONDS - start)) s"
@@ -76,5 +76,7 @@ run "Megatron-Core against ours, N = 16384, V = 151936, bf16 (needs .whl)" 1 120
 echo "first: done in $SECONDS s; steps:"
 column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
 # A device run brings back at most 8 files: everything but the summary travels in one archive.
-(cd "$OUT" && tar czf first_logs.tgz --exclude summary.md --exclude summary.json --exclude first_logs.tgz . 2>/dev/null \
-    && find . -maxdepth 1 -type f ! -name summary.md ! -name summary.json ! -name first_logs.tgz -delete)
+# (The archive is written outside $OUT first: tar fails on an archive that grows inside the folder it reads.)
+ARCHIVE="$(mktemp -d)/first_logs.tgz"
+tar czf "$ARCHIVE" -C "$OUT" --exclude summary.md --exclude summary.json . \
+    && mv "$ARCHIVE" "$OUT/" && find "$OUT" -maxdepth 1 -type f ! -name summary.md ! -name summary.json ! -name first_logs.tgz -delete

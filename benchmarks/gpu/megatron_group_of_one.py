@@ -64,7 +64,7 @@ def main() -> int:
         return 0
     if args.cpu:
         args.tokens, args.vocab, args.reps = 1024, 5000, 2
-    device = torch.device("cpu" if args.cpu else "cuda")
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)  # NCCL wants the index
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'init')}"

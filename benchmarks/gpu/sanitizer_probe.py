@@ -14,30 +14,39 @@ import torch
 import gspo_kernels  # noqa: F401  (registers torch.ops.gspo_kernels)
 
 ops = torch.ops.gspo_kernels
+# --device cpu runs the same cases on the C++ CPU kernels: the probe's own checks, tried without a GPU.
+DEVICE = "cpu" if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu" else "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool, softcap: float = 0.0,
              kept: bool = False) -> float:
     """The ops take inv_temperature = 1.1 (z = 1.1 x); softcap > 0: z = softcap * tanh(1.1 x);
     kept: a sampler's kept set, each row's logits above its median."""
-    full = torch.randn(3, 6, vocab + (1 if strided else 0), device="cuda").to(dtype)
+    full = torch.randn(3, 6, vocab + (1 if strided else 0), device=DEVICE).to(dtype)
     logits = full[..., :vocab] if strided else full
-    targets = torch.randint(0, vocab, (18,), device="cuda")
+    targets = torch.randint(0, vocab, (18,), device=DEVICE)
     targets[0], targets[1] = -100, vocab  # out of range: NaN log-prob, no read outside the row
     kept_min = logits.float().median(-1).values.reshape(18).contiguous() if kept else None
     if kept:  # targets inside the kept set: the log-prob check below stays a check
         targets = torch.where(targets >= 0, logits.float().reshape(18, vocab).argmax(-1), targets)
         targets[0], targets[1] = -100, vocab
     logp, entropy, lse = ops.token_stats(logits, targets, 1.1, softcap, kept_min)
-    g = torch.randn(18, device="cuda")
+    g = torch.randn(18, device=DEVICE)
     g[2:5] = 0  # padding rows
-    h = torch.randn(18, device="cuda") if with_h else None
-    row_mask = torch.ones(18, dtype=torch.bool, device="cuda")
+    h = torch.randn(18, device=DEVICE) if with_h else None
+    if with_h:
+        h[2:5] = 0  # padding rows carry neither gradient
+    row_mask = torch.ones(18, dtype=torch.bool, device=DEVICE)
     row_mask[:2] = False  # the out-of-range targets sit outside the loss: zeros, never read
     grad = ops.logits_grad(logits, targets, lse, entropy, g, h, row_mask, 1.1, softcap, kept_min)
     inplace = logits.clone()
     ops.logits_grad_(inplace, targets, lse, entropy, g, h, row_mask, 1.1, softcap, kept_min)
-    torch.cuda.synchronize()
+    _sync()
     z = logits.double() * 1.1
     z = softcap * torch.tanh(z) if softcap > 0 else z
     if kept:
@@ -45,25 +54,30 @@ def one_case(vocab: int, dtype: torch.dtype, strided: bool, with_h: bool, softca
     ref = torch.log_softmax(z, -1).reshape(18, vocab)
     err = (logp[2:].double() - ref[torch.arange(2, 18), targets[2:]]).abs().max().item()
     rows = grad.reshape(18, vocab)
-    ok = torch.isnan(logp[:2]).all() and torch.equal(grad, inplace) and rows[:5].abs().sum() == 0
-    return err if ok else float("inf")
+    checks = {"NaN log-prob at out-of-range targets": bool(torch.isnan(logp[:2]).all()),
+              "in place equals out of place": torch.equal(grad, inplace),
+              "zero gradient on masked and padding rows": bool(rows[:5].abs().sum() == 0)}
+    for name, passed in checks.items():
+        if not passed:
+            print(f"sanitizer probe: V={vocab} {dtype} strided={strided}: {name}: no")
+    return err if all(checks.values()) else float("inf")
 
 
 def segment_cases() -> bool:
     ok = True
     for bounds in ([0, 0, 3, 3, 700, 1300, 1300], [0, 1], list(range(0, 1000, 3)) + [1000]):
-        cu = torch.tensor(bounds, device="cuda")
+        cu = torch.tensor(bounds, device=DEVICE)
         for shape in ((bounds[-1],), (bounds[-1], 3)):
-            x = torch.randn(shape, device="cuda")
+            x = torch.randn(shape, device=DEVICE)
             want = torch.stack([x[a:b].double().sum(0) for a, b in zip(bounds, bounds[1:])]).float()
             ok &= bool(torch.allclose(ops.segment_sum(x, cu), want, rtol=1e-6, atol=1e-6))
-        v = torch.randn(len(bounds) - 1, device="cuda")
+        v = torch.randn(len(bounds) - 1, device=DEVICE)
         want = v.cpu().repeat_interleave(torch.tensor(bounds).diff())
         ok &= torch.equal(ops.segment_expand(v, cu, bounds[-1]).cpu(), want)
-    past = torch.tensor([0, 2, 9], device="cuda")  # ends past the 5 rows: clamped, no read beyond
-    ok &= ops.segment_sum(torch.arange(5.0, device="cuda"), past).tolist() == [1.0, 9.0]
-    ok &= ops.segment_expand(torch.tensor([7.0, 8.0], device="cuda"), past, 5).tolist() == [7.0, 7.0, 8.0, 8.0, 8.0]
-    torch.cuda.synchronize()
+    past = torch.tensor([0, 2, 9], device=DEVICE)  # ends past the 5 rows: clamped, no read beyond
+    ok &= ops.segment_sum(torch.arange(5.0, device=DEVICE), past).tolist() == [1.0, 9.0]
+    ok &= ops.segment_expand(torch.tensor([7.0, 8.0], device=DEVICE), past, 5).tolist() == [7.0, 7.0, 8.0, 8.0, 8.0]
+    _sync()
     return ok
 
 
