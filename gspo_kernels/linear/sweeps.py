@@ -28,6 +28,7 @@ from ..backends.contract import GradInputs
 from ..distributed.vocab_parallel import VocabSlice
 from ..token_stats.slice_grad import slice_logits_grad
 from .invariant import ProductBlocks, RowBlockProducts, group_rows
+from .plan import align_down
 from .products import Operands
 
 
@@ -105,7 +106,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
     hidden, weight, bias = saved.hidden, saved.weight, saved.bias
     rows, vocab = hidden.shape[0], weight.shape[0]
     if blocks is None:
-        width = vocab if rows == 0 else max(1, min(vocab, chunk * vocab // rows))
+        width = vocab if rows == 0 else max(1, min(vocab, align_down(chunk * vocab // rows, hidden.device)))
         columns = [slice(start, min(start + width, vocab)) for start in range(0, vocab, width)]
         groups = [slice(0, rows)]
     else:
