@@ -11,6 +11,17 @@ import torch  # noqa: E402
 from gspo_kernels import backends  # noqa: E402
 
 
+def import_installed(name: str):
+    """pytest.importorskip(name), also skipping where `name` is only a namespace package (a folder of
+    that name on sys.path without the package: a GPU machine's image had one for trl, and
+    importorskip accepted it)."""
+    module = pytest.importorskip(name)
+    if getattr(module, "__file__", None) is None:
+        pytest.skip(f"{name} is not installed (only a namespace package of that name: {list(module.__path__)})",
+                    allow_module_level=True)
+    return module
+
+
 def available_backends() -> list[str]:
     """Backends that can run on this machine: Triton through its interpreter on a CPU."""
     names = ["torch"]

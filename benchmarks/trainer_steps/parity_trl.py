@@ -17,7 +17,7 @@ from parity_common import PeakMemory, rel, shifted_old, skipped, worst_grad
 
 # bf16=True: TRL's fused head multiplies the bf16 hidden states by the lm_head in bf16 under the
 # trainer's autocast, the drop-in's in float32 (docs/trainers.md), so the two differ by the bf16
-# rounding of the logits. tests/integrations/trl/test_trl_adapted.py::test_bf16 measured 1.3e-4 on
+# rounding of the logits. tests/integrations/trl_tests/test_trl_adapted.py::test_bf16 measured 1.3e-4 on
 # the loss and 7.2e-3 on gradients on a CPU and holds them to 2e-2 and 3e-2; the same bounds
 # here. float32: the parity tests' own bounds.
 THEIRS, OURS = "TRL's own", "gspo_kernels drop-in"

@@ -1,6 +1,6 @@
 """One verl actor update through verl 0.9.1's own actor worker (`ActorRolloutRefWorker`, role
 actor, its FSDP2 engine and `apply_monkey_patch`), built from verl's Hydra `ppo_trainer` config
-as tests/integrations/verl/test_verl_actor.py builds it, in a world of one process: verl's own
+as tests/integrations/verl_tests/test_verl_actor.py builds it, in a world of one process: verl's own
 `gspo` loss with its unfused forward against `gk_gspo` with the README's keys (`external_lib`,
 `use_fused_kernels=True`, `impl_backend=gspo_kernels`). verl's mixed precision as it ships
 (`param_dtype` bf16, bf16 autocast) or float32. Compares `compute_log_prob`'s log-probs and
@@ -177,7 +177,7 @@ def run(args) -> dict:
     try:
         if device.type == "cpu":
             # verl 0.9.1 has no CPU platform: the tests' registration, before verl picks its platform
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "integrations", "verl"))
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "integrations", "verl_tests"))
             import verl_cpu_platform  # noqa: F401
         import hydra  # noqa: F401  (verl's config)
         import verl

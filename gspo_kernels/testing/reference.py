@@ -139,24 +139,26 @@ def _policy_terms(cfg, lp, log_ratio, ratio, a):
     if cfg.objective == "cispo":
         return -r.clamp(lo, hi) * a * lp, r < lo, r > hi
     if cfg.objective == "sapo":
-        tau = torch.tensor([cfg.sapo_tau_pos if x > 0 else cfg.sapo_tau_neg for x in a.tolist()], dtype=a.dtype)
-        no = torch.zeros(len(a), dtype=torch.bool)
+        tau = torch.tensor([cfg.sapo_tau_pos if x > 0 else cfg.sapo_tau_neg for x in a.tolist()], dtype=a.dtype,
+                           device=a.device)
+        no = torch.zeros(len(a), dtype=torch.bool, device=a.device)
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a, no, no
     if cfg.objective == "vespo":  # the gamma weight of the sequence's product ratio, detached
         log_w = log_ratio.detach().clamp(-20, 20).sum().clamp(math.log(1e-8), 20)
-        k = torch.tensor([cfg.vespo_k_pos if x >= 0 else cfg.vespo_k_neg for x in a.tolist()], dtype=a.dtype)
+        k = torch.tensor([cfg.vespo_k_pos if x >= 0 else cfg.vespo_k_neg for x in a.tolist()], dtype=a.dtype,
+                         device=a.device)
         lam = torch.tensor([cfg.vespo_lambda_pos if x >= 0 else cfg.vespo_lambda_neg for x in a.tolist()],
-                           dtype=a.dtype)
+                           dtype=a.dtype, device=a.device)
         # TRL's gamma weight is 0 where it is not finite (a NaN log-ratio in the sequence).
         phi = torch.nan_to_num(torch.exp(lam + k * log_w - lam * torch.exp(log_w)), nan=0.0, posinf=0.0, neginf=0.0)
-        no = torch.zeros(len(a), dtype=torch.bool)
+        no = torch.zeros(len(a), dtype=torch.bool, device=a.device)
         return -phi * a * lp, no, no
     # gmpo: per-token log-ratios clipped on the pessimistic side of sign(A), geometric mean.
     clipped_lr = _clamp(log_ratio, (-cfg.eps_low, cfg.eps_high))
     sign = torch.sign(a)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
     if len(lp) == 0:
-        return lp * 0, torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool)
+        return lp * 0, torch.zeros(0, dtype=torch.bool, device=lp.device), torch.zeros(0, dtype=torch.bool, device=lp.device)
     seq_ratio = torch.exp(_clamp(pessimistic.mean(), cfg.log_ratio_clamp))
     term = (-a.mean() * seq_ratio).expand(len(lp))
     lr = log_ratio.detach()
@@ -174,7 +176,7 @@ def _rollout_weights(cfg, old_lp, rollout_lp):
     low = 0.0 if cfg.rollout_is_min is None else cfg.rollout_is_min
     high = float("inf") if cfg.rollout_is_max is None else cfg.rollout_is_max
     if cfg.rollout_correction.endswith("truncate"):
-        return w.clamp(low, high), torch.zeros(len(w), dtype=torch.bool)
+        return w.clamp(low, high), torch.zeros(len(w), dtype=torch.bool, device=w.device)
     rejected = (w < low) | (w > high)
     return torch.where(rejected, torch.zeros_like(w), w), rejected
 

@@ -36,10 +36,12 @@ num_items_in_batch=56, seed=66180915, rows=3, tokens=4, zero_advantages, on-poli
 """
 
 import pytest
+
+from conftest import import_installed
 from hypothesis import assume, event, given, note, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("trl")
+import_installed("trl")
 
 from fuzz_profiles import LONG_FACTOR, PROFILE  # noqa: E402
 from gspo_kernels.integrations.trl.options import SUPPORTED_LOSS_TYPES  # noqa: E402

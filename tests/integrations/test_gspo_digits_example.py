@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import import_installed
+
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
@@ -30,7 +32,7 @@ def test_reward_rises_and_curve_is_written(tmp_path):
 
 
 def test_trl_drop_in_learns_the_task():
-    pytest.importorskip("trl")
+    import_installed("trl")
     spec = importlib.util.spec_from_file_location("gspo_digits_trl", EXAMPLE.with_name("gspo_digits_trl.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import gspo_kernels as gk
+from gspo_kernels.backends import triton_backend
 from gspo_kernels.testing import reference
+from gspo_kernels.testing.verify import relative_error
 
 from conftest import BACKENDS, device_for
 
@@ -100,17 +102,18 @@ def test_fused_linear_chunked_path(backend):
     gen = torch.Generator().manual_seed(9)
     hidden, weight = torch.randn(3, 5, 8, generator=gen), torch.randn(40, 8, generator=gen)
     targets = torch.randint(0, 40, (3, 5), generator=gen)
-    got = [t.clone().requires_grad_() for t in (hidden, weight)]
+    got = [t.to(device_for(backend), copy=True).requires_grad_() for t in (hidden, weight)]
     want = [t.double().requires_grad_() for t in (hidden, weight)]
     options = dict(sampling_top_k=6, sampling_min_p=0.05, temperature=0.8, return_entropy=True)
-    lp, ent = gk.fused_linear_selective_log_softmax(*got, targets, backend=backend, chunk_size=4, **options)
+    lp, ent = gk.fused_linear_selective_log_softmax(*got, targets.to(got[0].device), backend=backend, chunk_size=4,
+                                                    **options)
     want_lp, want_ent = reference.fused_linear_selective_log_softmax(*want, targets, **options)
     finite = torch.isfinite(want_lp)
-    assert torch.equal(torch.isfinite(lp), finite) and (~finite).any()
-    (torch.where(finite, lp, 0).sum() + ent.sum()).backward()
+    assert torch.equal(torch.isfinite(lp).cpu(), finite) and (~finite).any()
+    (torch.where(finite.to(lp.device), lp, 0).sum() + ent.sum()).backward()
     (torch.where(finite, want_lp, 0).sum() + want_ent.sum()).backward()
     for a, b in zip(got, want):
-        assert float((a.grad.double() - b.grad).norm() / b.grad.norm()) < 1e-5
+        assert float((a.grad.double().cpu() - b.grad).norm() / b.grad.norm()) < 1e-5
     with pytest.raises(NotImplementedError, match="fused=True"):
         gk.fused_linear_selective_log_softmax(hidden, weight, targets, fused=True, sampling_top_k=6)
 
@@ -126,7 +129,12 @@ def test_rows_that_keep_every_token_are_bitwise_plain(backend):
         lp, ent = gk.selective_log_softmax(leaf, targets, 0.7, True, backend=backend, **options)
         (lp.sum() + ent.sum()).backward()
         runs.append((lp, ent, leaf.grad))
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    if backend == "triton" and not triton_backend.INTERPRETED:
+        # Compiled Triton on a GPU: the kept-set kernel's extra select changes the compiled
+        # arithmetic; on an H200 (triton 3.6) these rows were not bitwise the plain ones (docs/semantics.md).
+        assert all(relative_error(a, b) < 1e-6 for a, b in zip(*runs))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_a_given_threshold_and_bad_input():

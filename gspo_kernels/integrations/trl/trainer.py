@@ -35,6 +35,10 @@ from . import options
 from .metrics import log_trl_metrics
 from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
 
+if getattr(trl, "__file__", None) is None:  # a folder named trl on sys.path, not the package
+    raise ImportError(f"the TRL drop-in needs TRL (pip install trl); 'import trl' found only a folder of that name: "
+                      f"{list(trl.__path__)}")
+
 
 @dataclass
 class GRPOConfig(trl.GRPOConfig):

@@ -39,7 +39,7 @@ through gspo_kernels (megatron_engine.py).
 
 Importing it also mends verl 0.9.1's actor build next to trl >= 1.0 (`_trl_value_head_available`).
 
-Tested against verl 0.9.1 (`tests/integrations/verl/test_verl_drop_in.py`); in 0.9.0 verl's gspo forced
+Tested against verl 0.9.1 (`tests/integrations/verl_tests/test_verl_drop_in.py`); in 0.9.0 verl's gspo forced
 seq-mean-token-mean whatever loss_agg_mode said, and gk_gspo follows 0.9.1.
 """
 

@@ -11,10 +11,12 @@ import os
 import tempfile
 
 import pytest
+
+from conftest import import_installed
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("trl")
+import_installed("trl")
 from trainer_world import free_port, join  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

@@ -11,7 +11,9 @@ import warnings
 
 import pytest
 
-pytest.importorskip("trl")
+from conftest import import_installed
+
+import_installed("trl")
 peft = pytest.importorskip("peft")
 import trl  # noqa: E402
 

@@ -18,9 +18,11 @@ import tempfile
 import warnings
 
 import pytest
+
+from conftest import import_installed
 import torch.distributed as dist
 
-pytest.importorskip("trl")
+import_installed("trl")
 from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

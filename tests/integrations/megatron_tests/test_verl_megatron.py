@@ -22,10 +22,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
+from conftest import import_installed
 import torch
 
 pytest.importorskip("megatron.core")
-pytest.importorskip("verl")
+import_installed("verl")
 
 from megatron_world import cpu_megatron, megatron_worker  # noqa: E402
 from trainer_world import run  # noqa: E402

@@ -13,9 +13,11 @@ import math
 import warnings
 
 import pytest
+
+from conftest import import_installed
 import torch
 
-trl = pytest.importorskip("trl")
+trl = import_installed("trl")
 transformers = pytest.importorskip("transformers")
 
 from gspo_kernels.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402

@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import import_installed
 import torch
 import torch.distributed as dist
 
@@ -108,7 +110,7 @@ def test_actor_build_next_to_trl_in_a_fresh_process():
     """verl 0.9.1's apply_monkey_patch imports TRL's value-head model whenever trl is importable;
     trl >= 1.0 has none. Without gspo_kernels that build fails; with VERL_USE_EXTERNAL_MODULES
     naming the integration (as a Ray worker gets it) it goes on to install the fused forward."""
-    pytest.importorskip("trl")
+    import_installed("trl")
     code = """
 import sys
 import torch

@@ -12,9 +12,11 @@ import tempfile
 import warnings
 
 import pytest
+
+from conftest import import_installed
 import torch.distributed as dist
 
-pytest.importorskip("trl")
+import_installed("trl")
 pytest.importorskip("deepspeed")
 from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
