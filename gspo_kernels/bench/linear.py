@@ -34,7 +34,7 @@ from ..linear.products import cpu_has_native_bf16
 from ..loss import gspo_loss
 from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
-from .providers import Provider, Step, _always, gspo_from_logprobs, requires
+from .providers import Provider, Step, _always, compiled_for_timing, gspo_from_logprobs, requires
 from .report import timing_cells
 from .runner import Measurement, measure
 from .table import format_table
@@ -122,7 +122,7 @@ def _native_bf16_cpu(device: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_eager():
-    return torch.compile(_eager)
+    return compiled_for_timing(_eager)
 
 
 def _materialized(h, w, p):

@@ -40,7 +40,7 @@ def format_suite(result: SuiteResult) -> str:
         base_mem = base.peak_mem_mib if base else None
         header = ["provider", *(f"{m} ms" for m in MODES), f"speed-up vs {BASELINE}", "peak MiB",
                   f"memory vs {BASELINE}", "% of byte floor"]
-        table, skipped = [], []
+        table, skipped, failed = [], [], []
         for name in providers:
             first = next(r for r in rows if r.provider == name)
             if all(r.status == "skipped" for r in rows if r.provider == name):
@@ -52,6 +52,9 @@ def format_suite(result: SuiteResult) -> str:
             if all(cell.get((name, m)) is None or cell[(name, m)].status != "ok" for m in MODES):
                 table.append([name, *([first.status.upper()] * 3), "-", "-", "-", first.note[:60]])
                 continue
+            errors = [r for r in rows if r.provider == name and r.status == "error"]
+            if errors:  # a mode that failed where others ran: its '-' cells say why below the table
+                failed.append(f"{name} {' and '.join(r.mode for r in errors)} ({errors[0].note[:120]})")
             modes, ms, mem, full = timing_cells(cell, name)
             table.append([
                 name,
@@ -66,6 +69,8 @@ def format_suite(result: SuiteResult) -> str:
         out.append(format_table(header, table))
         if skipped:
             out.append("skipped: " + "; ".join(skipped))
+        if failed:
+            out.append("failed: " + "; ".join(failed))
         out.append("")
     m = result.meta
     out.append(f"{m.get('device')} | torch {m.get('torch')} | triton {m.get('triton', '-')} | "
