@@ -246,4 +246,6 @@ def format_linear(rows, meta) -> str:
                f"{meta.get('date')}")
     out.append("peak MiB: memory beyond the inputs and the gradients returned, during one forward + backward. "
                "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time; the chunked path does 8NVH.")
+    if meta.get("timing"):
+        out.append(meta["timing"] + ".")
     return "\n".join(out)

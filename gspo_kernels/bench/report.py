@@ -77,6 +77,8 @@ def format_suite(result: SuiteResult) -> str:
                f"{m.get('cpu_threads')} CPU threads | copy bandwidth {m.get('copy_bandwidth_gbs')} GB/s | {m.get('date')}")
     out.append("peak MiB: memory beyond the inputs during one forward + backward (the gradient included). "
                "% of byte floor: (3*N*V*bytes / copy bandwidth) / fwd+bwd time.")
+    if m.get("timing"):
+        out.append(m["timing"] + ".")
     return "\n".join(out)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 import gc
 import platform
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -28,6 +29,10 @@ class SuiteConfig:
     measure_memory: bool = True
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     quick: bool = False  # leave each provider's full_only_modes untimed
+    # Rounds over the contenders, each round in the reverse order of the last (A B C, C B A), each
+    # contender built, warmed and timed `reps` times per round: a machine's drift over the run then
+    # lands on every contender alike instead of on the ones timed last (measure_in_rounds).
+    rounds: int = 1
 
 
 @dataclass
@@ -66,6 +71,16 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def timing_note(cfg: SuiteConfig) -> str:
+    """How many repetitions stand behind each time of a table measured with cfg."""
+    least = min(3, cfg.reps)
+    reps = f"{cfg.reps}" if least == cfg.reps else f"{least} to {cfg.reps} (fewer than {cfg.reps} past {cfg.budget_s:g} s)"
+    note = f"each time: the median of {reps} timed calls after {cfg.warmup} warm-up call(s)"
+    if cfg.rounds > 1:
+        note += f", in each of {cfg.rounds} rounds over the contenders in alternating order; the rounds' median"
+    return note
 
 
 def machine_meta(device: str, bandwidth_gbs: float) -> dict:
@@ -144,6 +159,35 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
     return rows
 
 
+def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable) -> list[BenchRow]:
+    """Rows of every contender in `names` (measure_one(cfg, name) -> its rows), measured in
+    cfg.rounds rounds of alternating order. A row's time is the median of its rounds' medians (the
+    mean of two); its peak memory is taken in the first round only."""
+    names = list(names)
+    if cfg.rounds <= 1:
+        return [row for name in names for row in measure_one(cfg, name)]
+    per_round: dict[str, list[list[BenchRow]]] = {name: [] for name in names}
+    for index in range(cfg.rounds):
+        round_cfg = replace(cfg, measure_memory=cfg.measure_memory and index == 0)
+        for name in names if index % 2 == 0 else names[::-1]:
+            per_round[name].append(measure_one(round_cfg, name))
+    merged = []
+    for name in names:
+        first, *later = per_round[name]
+        for i, row in enumerate(first):
+            same = [row, *(rows[i] for rows in later)]
+            failed = next((r for r in same if r.status != "ok"), None)
+            if failed is not None:
+                merged.append(failed if row.status == "ok" else row)
+                continue
+            ms = statistics.median(r.median_ms for r in same)
+            if row.floor_fraction is not None:
+                row.floor_fraction *= row.median_ms / ms
+            row.median_ms = ms
+            merged.append(row)
+    return merged
+
+
 def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: float, progress) -> list[BenchRow]:
     base = dict(provider=name, batch=shape.batch, seq_len=shape.seq_len, vocab=shape.vocab, tokens=shape.tokens,
                 dtype=cfg.dtype, device=cfg.device)
@@ -159,11 +203,11 @@ def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: floa
 
 def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
     bandwidth = copy_bandwidth_gbs(cfg.device)
-    result = SuiteResult(meta=machine_meta(cfg.device, bandwidth) | {"dtype": cfg.dtype})
+    result = SuiteResult(meta=machine_meta(cfg.device, bandwidth) | {"dtype": cfg.dtype, "timing": timing_note(cfg)})
     for shape in cfg.shapes:
         problem = make_bench_problem(shape, DTYPES[cfg.dtype], cfg.device)
-        for name in cfg.providers:
-            result.rows += _measure(cfg, name, problem, shape, bandwidth, progress)
+        result.rows += measure_in_rounds(
+            cfg, cfg.providers, lambda round_cfg, name: _measure(round_cfg, name, problem, shape, bandwidth, progress))
         del problem
         gc.collect()
     return result
@@ -171,6 +215,6 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
 
 def steps_in(cfg: SuiteConfig) -> int:
     """Progress steps the suite will report (modes, plus a memory step per provider)."""
-    per_shape = sum(len(timed) + int(cfg.measure_memory and bool(timed))
+    per_shape = sum(max(cfg.rounds, 1) * len(timed) + int(cfg.measure_memory and bool(timed))
                     for timed in (_timed_modes(cfg, PROVIDERS[p]) for p in cfg.providers))
     return len(cfg.shapes) * per_shape

@@ -13,7 +13,8 @@ from ..bench.linear import LINEAR_PROVIDERS, LinearShape, format_linear, make_li
 from ..bench.problem import DTYPES, Shape
 from ..bench.providers import PROVIDERS
 from ..bench.report import format_suite, format_sweep, plot_sweeps, write_json
-from ..bench.runner import SuiteConfig, SuiteResult, machine_meta, run_suite, steps_in
+from ..bench.runner import (SuiteConfig, SuiteResult, machine_meta, measure_in_rounds, run_suite, steps_in,
+                            timing_note)
 from ..bench.timing import MODES
 from .progress import Progress
 
@@ -47,6 +48,16 @@ def _checked(parse):
     return check
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _linear_shape(text: str) -> None:
     if text != "default":
         LinearShape.parse(text)
@@ -68,17 +79,18 @@ def _run_linear(args, device: str) -> int:
         print(f"fused-linear providers are {', '.join(LINEAR_PROVIDERS)}; modes {', '.join(MODES)}")
         return 2
     cfg = SuiteConfig(shapes=(), dtype=args.dtype, providers=providers, modes=modes, reps=args.reps,
-                      warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device)
-    progress = Progress(len(shapes) * len(providers) * (len(modes) + int(cfg.measure_memory)))
+                      warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device,
+                      rounds=args.rounds)
+    progress = Progress(len(shapes) * len(providers) * (args.rounds * len(modes) + int(cfg.measure_memory)))
     rows = []
     for shape in shapes:
         problem = make_linear_problem(shape, DTYPES[args.dtype], device)
-        for name in providers:
-            rows += measure_linear(cfg, name, problem, progress)
+        rows += measure_in_rounds(cfg, providers,
+                                  lambda round_cfg, name: measure_linear(round_cfg, name, problem, progress))
         del problem
     progress.close()
-    result = SuiteResult(meta=machine_meta(device, float("nan")) | {"dtype": args.dtype, "kind": "fused linear"},
-                         rows=rows)
+    result = SuiteResult(meta=machine_meta(device, float("nan")) | {"dtype": args.dtype, "kind": "fused linear",
+                                                                   "timing": timing_note(cfg)}, rows=rows)
     print(format_linear(rows, result.meta))
     if args.json:
         write_json(result, args.json)
@@ -176,7 +188,7 @@ def run(args) -> int:
             return 2
     cfg = SuiteConfig(shapes=shapes, dtype=args.dtype, providers=providers, modes=modes, reps=args.reps,
                       warmup=args.warmup, budget_s=args.budget, measure_memory=not args.no_memory, device=device,
-                      quick=args.quick)
+                      quick=args.quick, rounds=args.rounds)
     progress = Progress(steps_in(cfg))
     result = run_suite(cfg, progress)
     progress.close()
@@ -214,6 +226,10 @@ def add_parser(commands) -> None:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--budget", type=float, default=20.0, help="seconds per measurement before stopping at 3 reps")
+    p.add_argument("--rounds", type=_positive_int, default=1,
+                   help="time the contenders in this many rounds, each in the reverse order of the last, each "
+                        "contender warmed and timed --reps times a round (the median of the rounds is reported): "
+                        "a machine's drift then lands on every contender alike (default 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--quick", action="store_true",
                    help="leave the float64 reference's forward and backward alone untimed (its fwd+bwd and "

@@ -1,0 +1,127 @@
+"""The measured tables that docs/performance.md quotes, made from the main job's JSON, so that a
+page's figures are pasted from a run rather than typed; and a check of the figures that do not
+depend on the machine (the distributed splits' collectives and payloads) against the pages.
+
+    python scripts/doc_tables.py [--results results]   # print the tables of the last main job
+    python scripts/doc_tables.py --check-docs          # exit 1 if a page's exact figures differ
+                                                       # from results/bench_distributed.json
+
+tests/cli/test_doc_tables.py runs the check on a fresh count, so those figures cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = (ROOT / "docs" / "performance.md", ROOT / "docs" / "distributed.md")
+
+
+def _load(path: pathlib.Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _machine(meta: dict) -> str:
+    return f"{meta.get('device')}, {meta.get('cpu_threads')} threads, torch {meta.get('torch')}, {meta.get('date')}"
+
+
+def loss_table(result: dict) -> str:
+    rows = [r for r in result["rows"] if r["mode"] == "fwd+bwd" and r["status"] == "ok"]
+    lines = [f"Loss on logits ({_machine(result['meta'])}); {result['meta'].get('timing', '')}", "",
+             "| provider | problem (B x T x V) | fwd+bwd ms | peak MiB beyond the inputs |", "|---|---|---|---|"]
+    lines += [f"| `{r['provider']}` | {r['batch']} x {r['seq_len']} x {r['vocab']} | {r['median_ms']:.1f} | "
+              f"{r['peak_mem_mib']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def linear_table(result: dict) -> str:
+    rows = [r for r in result["rows"] if r["mode"] == "fwd+bwd" and r["status"] == "ok"]
+    lines = [f"Fused linear ({_machine(result['meta'])}); {result['meta'].get('timing', '')}", "",
+             "| contender | N x H x V | fwd+bwd ms | peak MiB beyond the inputs and returned gradients |",
+             "|---|---|---|---|"]
+    lines += [f"| `{r['provider']}` | {r['tokens']} x {r['hidden']} x {r['vocab']} | {r['median_ms']:.0f} | "
+              f"{r['peak_mem_mib']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def distributed_rows(result: dict) -> dict[str, str]:
+    """split -> the exact part of its row: '| tp | 2 / 0 | 393,216 B |'."""
+    out = {}
+    for split, r in result["splits"].items():
+        calls, nbytes = r["calls"], sum(r["bytes"].values())
+        out[split] = f"| {split} | {calls.get('forward', 0)} / {calls.get('backward', 0)} | {nbytes:,} B |"
+    return out
+
+
+def distributed_table(result: dict) -> str:
+    cfg, single = result["config"], result["single_process_ms"]
+    gather = cfg["count_rows"] * cfg["count_vocab"] * 2
+    lines = [f"Distributed ({_machine(result.get('meta', {}))}); payload at N = {cfg['count_rows']}, times at "
+             f"N = {cfg['rows']}, V = {cfg['vocab']}, median of {cfg['reps']}", "",
+             "| split | collectives fwd / bwd | payload per rank | vs logits gather | 2 procs ms | 1 proc ms | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    exact = distributed_rows(result)
+    for split, r in result["splits"].items():
+        nbytes = sum(r["bytes"].values())
+        lines.append(f"{exact[split]} {nbytes / gather:.2e} | {r['ms']:.1f} | {single:.1f} | {r['ms'] / single:.2f}x |")
+    return "\n".join(lines)
+
+
+def host_table(result: dict) -> str:
+    lines = [f"Host cost of a tiny call ({_machine(result['meta'])})", "",
+             "| case | layout | ops forward / backward | host ms |", "|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['layout']} | {r['ops_forward']} / {r['ops_backward']} | {r['host_ms']:.3f} |"
+              for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def check_docs(distributed: dict, pages=PAGES) -> list[str]:
+    """What the pages say of the splits' collectives and payloads that `distributed` (a
+    `bench --distributed` result) contradicts: performance.md's table rows hold each split's
+    exact row start, distributed.md each payload."""
+    problems = []
+    rows = distributed_rows(distributed)
+    table_page, prose_page = (pathlib.Path(p) for p in pages)
+    table_text, prose_text = table_page.read_text(), prose_page.read_text()
+    for split, row in rows.items():
+        if row not in table_text:
+            problems.append(f"{table_page.name}: no row starting {row!r}")
+        payload = row.split("|")[3].strip()
+        if payload not in prose_text:
+            problems.append(f"{prose_page.name}: the {split} payload {payload!r} is not stated")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=str(ROOT / "results"), help="the main job's JSON folder")
+    parser.add_argument("--check-docs", action="store_true")
+    args = parser.parse_args()
+    folder = pathlib.Path(args.results)
+    distributed = _load(folder / "bench_distributed.json")
+    if args.check_docs:
+        if distributed is None:
+            print(f"no {folder / 'bench_distributed.json'}: run ./scripts/main.sh first")
+            return 2
+        problems = check_docs(distributed)
+        print("\n".join(problems) if problems else "the pages' exact distributed figures match")
+        return 1 if problems else 0
+    makers = {"bench.json": loss_table, "bench_linear.json": linear_table, "bench_distributed.json": distributed_table,
+              "bench_host.json": host_table}
+    found = False
+    for name, make in makers.items():
+        result = _load(folder / name)
+        if result is not None:
+            found = True
+            print(make(result) + "\n")
+    if not found:
+        print(f"no main-job JSON in {folder}: run ./scripts/main.sh first")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
