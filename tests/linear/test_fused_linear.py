@@ -11,7 +11,7 @@ import gspo_kernels as gk
 from gspo_kernels.testing import reference
 from gspo_kernels.config import LEVELS, LOSS_AGGS
 from gspo_kernels.linear import chunked
-from gspo_kernels.linear.plan import default_chunk_rows
+from gspo_kernels.linear.plan import align_down, default_chunk_rows
 from gspo_kernels.linear.sweeps import choose_sweep
 from gspo_kernels.testing.problems import ProblemSpec, make_problem
 from gspo_kernels.testing.verify import linear_operands, relative_error, run_linear_case
@@ -285,6 +285,9 @@ def test_default_chunk_rule():
     assert default_chunk_rows(10, 32768, torch.device("cpu")) == 10
     assert default_chunk_rows(4096, 151936, torch.device("cuda")) == 384  # 441 rounded to cuBLAS-friendly 128s
     assert default_chunk_rows(100, 151936, torch.device("cuda")) == 100
+    # the vocab sweep's blocks too: 441 rows over N = 16384 at V = 151936 gave 4089 columns
+    assert align_down(4089, torch.device("cuda")) == 3968 and align_down(4089, torch.device("cpu")) == 4089
+    assert align_down(100, torch.device("cuda")) == 100
     assert default_chunk_rows(5, 10**9, torch.device("cpu")) == 1
 
 
