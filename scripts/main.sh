@@ -5,9 +5,10 @@
 # V=32768 on a CPU), then the tensor-, context- and data-parallel splits on 2 gloo processes
 # (N=2048, V=32768), then the host cost of a tiny loss call. Results also go to results/*.json.
 # Every table of the long suite is there; its timings take fewer repetitions: 2 rounds over the
-# contenders in alternating order (A B C, then C B A), each contender warmed once and timed twice a
-# round, so that the machine's drift lands on every contender alike (benchmarks/cpu/quick_vs_full.py
-# compares the ratios with --full's); the float64 reference is timed forward + backward only (not each pass alone),
+# contenders in alternating order (A B C, then C B A), each contender warmed once and timed 3 times
+# a round, so that the machine's drift lands on every contender alike
+# (benchmarks/cpu/quick_vs_full.py compares the ratios with --full's); the float64 reference is
+# timed forward + backward only (not each pass alone), by one warmed call in the first round,
 # and Triton through its CPU interpreter checks 4 of the 12 fused-linear cases (each level,
 # dtype and layout; the tests run all 12), so that the job takes minutes on a 2-core CPU.
 #   ./scripts/main.sh [--full] [extra bench args, e.g. --plot results/bench.png]
@@ -18,8 +19,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$("$ROOT/scripts/setup_env.sh" | tail -n 1)"
 cd "$ROOT"
 mkdir -p results
-quick=(--reps 2 --rounds 2 --warmup 1 --quick)
-linear=(--modes fwd+bwd --reps 2 --rounds 2 --warmup 1)
+quick=(--reps 3 --rounds 2 --warmup 1 --quick)
+linear=(--modes fwd+bwd --reps 3 --rounds 2 --warmup 1)
 check=(--quick)
 if [ "${1:-}" = "--full" ]; then
     shift

@@ -80,7 +80,14 @@ def timing_note(cfg: SuiteConfig) -> str:
     note = f"each time: the median of {reps} timed calls after {cfg.warmup} warm-up call(s)"
     if cfg.rounds > 1:
         note += f", in each of {cfg.rounds} rounds over the contenders in alternating order; the rounds' median"
+    if _quick_once(cfg):
+        note += f" ({', '.join(_quick_once(cfg))}: one call after a warm-up, in the first round only)"
     return note
+
+
+def _quick_once(cfg: SuiteConfig) -> tuple[str, ...]:
+    """Providers a quick suite times once (Provider.quick_once)."""
+    return tuple(p for p in cfg.providers if cfg.quick and p in PROVIDERS and PROVIDERS[p].quick_once)
 
 
 def machine_meta(device: str, bandwidth_gbs: float) -> dict:
@@ -136,9 +143,10 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
     step = None
     try:
         step = m.provider.build(m.problem)
+        reps, warmup = (1, 1) if cfg.quick and m.provider.quick_once else (cfg.reps, cfg.warmup)
         for mode in timed:
             progress.step(f"{m.label} {mode}")
-            ms = time_mode(step, mode, cfg.device, cfg.reps, cfg.warmup, cfg.budget_s)
+            ms = time_mode(step, mode, cfg.device, reps, warmup, cfg.budget_s)
             floor = None if m.floor_ms is None else m.floor_ms(mode) / ms
             rows.append(BenchRow(**m.base, mode=mode, status="ok", median_ms=ms, floor_fraction=floor))
         if cfg.measure_memory and timed:  # a provider the quick suite leaves out is not run at all
@@ -159,10 +167,11 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
     return rows
 
 
-def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable) -> list[BenchRow]:
+def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable, once=()) -> list[BenchRow]:
     """Rows of every contender in `names` (measure_one(cfg, name) -> its rows), measured in
-    cfg.rounds rounds of alternating order. A row's time is the median of its rounds' medians (the
-    mean of two); its peak memory is taken in the first round only."""
+    cfg.rounds rounds of alternating order (those in `once`: in the first round only). A row's
+    time is the median of its rounds' medians (the mean of two); its peak memory is taken in the
+    first round only."""
     names = list(names)
     if cfg.rounds <= 1:
         return [row for name in names for row in measure_one(cfg, name)]
@@ -170,7 +179,8 @@ def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable) -> list[Be
     for index in range(cfg.rounds):
         round_cfg = replace(cfg, measure_memory=cfg.measure_memory and index == 0)
         for name in names if index % 2 == 0 else names[::-1]:
-            per_round[name].append(measure_one(round_cfg, name))
+            if index == 0 or name not in once:
+                per_round[name].append(measure_one(round_cfg, name))
     merged = []
     for name in names:
         first, *later = per_round[name]
@@ -207,7 +217,8 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
     for shape in cfg.shapes:
         problem = make_bench_problem(shape, DTYPES[cfg.dtype], cfg.device)
         result.rows += measure_in_rounds(
-            cfg, cfg.providers, lambda round_cfg, name: _measure(round_cfg, name, problem, shape, bandwidth, progress))
+            cfg, cfg.providers, lambda round_cfg, name: _measure(round_cfg, name, problem, shape, bandwidth, progress),
+            once=_quick_once(cfg))
         del problem
         gc.collect()
     return result
@@ -215,6 +226,6 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
 
 def steps_in(cfg: SuiteConfig) -> int:
     """Progress steps the suite will report (modes, plus a memory step per provider)."""
-    per_shape = sum(max(cfg.rounds, 1) * len(timed) + int(cfg.measure_memory and bool(timed))
-                    for timed in (_timed_modes(cfg, PROVIDERS[p]) for p in cfg.providers))
+    per_shape = sum((1 if p in _quick_once(cfg) else max(cfg.rounds, 1)) * len(_timed_modes(cfg, PROVIDERS[p]))
+                    + int(cfg.measure_memory and bool(_timed_modes(cfg, PROVIDERS[p]))) for p in cfg.providers)
     return len(cfg.shapes) * per_shape

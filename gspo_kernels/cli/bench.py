@@ -233,7 +233,8 @@ def add_parser(commands) -> None:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--quick", action="store_true",
                    help="leave the float64 reference's forward and backward alone untimed (its fwd+bwd and "
-                        "memory stay): the main job's default")
+                        "memory stay) and time its fwd+bwd by one call after a warm-up, in the first round only: the main "
+                        "job's default")
     p.add_argument("--cpu", action="store_true", help="benchmark on the CPU even when a GPU is present")
     p.add_argument("--json", help="write one row per (provider, shape, mode) to this file")
     p.add_argument("--plot", help="also sweep V and N and draw time and memory to this PNG")

@@ -35,3 +35,14 @@ def test_a_round_that_fails_is_reported_not_averaged():
 def test_one_round_is_the_plain_suite():
     rows = measure_in_rounds(SuiteConfig(shapes=()), ("a", "b"), lambda cfg, name: [_row(name, 3.0)])
     assert [r.provider for r in rows] == ["a", "b"] and all(r.median_ms == 3.0 for r in rows)
+
+
+def test_once_contenders_are_measured_in_the_first_round_only():
+    calls = []
+
+    def measure_one(cfg, name):
+        calls.append(name)
+        return [_row(name, 1.0)]
+
+    measure_in_rounds(SuiteConfig(shapes=(), rounds=2), ("a", "slow", "b"), measure_one, once=("slow",))
+    assert calls == ["a", "slow", "b", "b", "a"]
