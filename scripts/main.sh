@@ -29,6 +29,11 @@ if [ "${1:-}" = "--full" ]; then
     check=()
 fi
 start=$SECONDS
+# THP_MEM_ALLOC_ENABLE=1 in the environment gives torch's CPU allocations huge pages (read once,
+# before torch allocates; the tables say whether it was on). Off by default, as torch ships: then
+# every contender's time holds its page faults, eager's most (on the 2-core EPYC of 2026-12-04
+# eager's fwd+bwd took 640 ms off and 157 ms on, this package's cpu kernel 74 ms either way;
+# benchmarks/RESULTS.md).
 # Without a GPU the check runs the Triton kernels through Triton's CPU interpreter.
 if [ -e /dev/nvidia0 ]; then interpret=0; else interpret=1; fi
 TRITON_INTERPRET="${TRITON_INTERPRET:-$interpret}" "$PY" -m gspo_kernels check "${check[@]}"

@@ -242,7 +242,8 @@ def format_linear(rows, meta) -> str:
         if skipped:
             out.append("skipped: " + "; ".join(skipped))
         out.append("")
-    out.append(f"{meta.get('device')} | torch {meta.get('torch')} | {meta.get('cpu_threads')} CPU threads | "
+    pages = "" if "thp_alloc" not in meta else f" | huge pages {'on' if meta['thp_alloc'] else 'off'} (THP_MEM_ALLOC_ENABLE)"
+    out.append(f"{meta.get('device')} | torch {meta.get('torch')} | {meta.get('cpu_threads')} CPU threads{pages} | "
                f"{meta.get('date')}")
     out.append("peak MiB: memory beyond the inputs and the gradients returned, during one forward + backward. "
                "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time; the chunked path does 8NVH.")

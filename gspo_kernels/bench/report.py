@@ -73,8 +73,10 @@ def format_suite(result: SuiteResult) -> str:
             out.append("failed: " + "; ".join(failed))
         out.append("")
     m = result.meta
+    pages = "" if "thp_alloc" not in m else f" | huge pages {'on' if m['thp_alloc'] else 'off'} (THP_MEM_ALLOC_ENABLE)"
     out.append(f"{m.get('device')} | torch {m.get('torch')} | triton {m.get('triton', '-')} | "
-               f"{m.get('cpu_threads')} CPU threads | copy bandwidth {m.get('copy_bandwidth_gbs')} GB/s | {m.get('date')}")
+               f"{m.get('cpu_threads')} CPU threads | copy bandwidth {m.get('copy_bandwidth_gbs')} GB/s{pages} | "
+               f"{m.get('date')}")
     out.append("peak MiB: memory beyond the inputs during one forward + backward (the gradient included). "
                "% of byte floor: (3*N*V*bytes / copy bandwidth) / fwd+bwd time.")
     if m.get("timing"):

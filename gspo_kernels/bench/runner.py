@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import platform
 import statistics
 from dataclasses import asdict, dataclass, field, replace
@@ -99,6 +100,8 @@ def machine_meta(device: str, bandwidth_gbs: float) -> dict:
         "python": platform.python_version(),
         "copy_bandwidth_gbs": round(bandwidth_gbs, 1),
     }
+    if device == "cpu":  # huge pages for torch's CPU allocations, or page faults in every contender's time
+        meta["thp_alloc"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
     try:
         import triton
 
