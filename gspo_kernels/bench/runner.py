@@ -187,8 +187,9 @@ def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable, once=()) -
     merged = []
     for name in names:
         first, *later = per_round[name]
-        for i, row in enumerate(first):
-            same = [row, *(rows[i] for rows in later)]
+        later_by_mode = [{r.mode: r for r in rows} for rows in later]
+        for row in first:
+            same = [row, *(rows[row.mode] for rows in later_by_mode if row.mode in rows)]
             failed = next((r for r in same if r.status != "ok"), None)
             if failed is not None:
                 merged.append(failed if row.status == "ok" else row)

@@ -46,3 +46,15 @@ def test_once_contenders_are_measured_in_the_first_round_only():
 
     measure_in_rounds(SuiteConfig(shapes=(), rounds=2), ("a", "slow", "b"), measure_one, once=("slow",))
     assert calls == ["a", "slow", "b", "b", "a"]
+
+
+def test_rounds_are_matched_by_mode():
+    def row(mode, ms):
+        r = _row("a", ms)
+        r.mode = mode
+        return r
+
+    # a round may list its modes in another order (measure puts failed or untimed modes first)
+    outcomes = iter([[row("forward", 1.0), row("backward", 2.0)], [row("backward", 4.0), row("forward", 3.0)]])
+    merged = measure_in_rounds(SuiteConfig(shapes=(), rounds=2), ("a",), lambda cfg, name: next(outcomes))
+    assert {r.mode: r.median_ms for r in merged} == {"forward": 2.0, "backward": 3.0}
