@@ -57,25 +57,18 @@ def distributed_rows(result: dict) -> dict[str, str]:
 
 
 def distributed_table(result: dict) -> str:
-    cfg, single = result["config"], result["single_process_ms"]
-    gather = cfg["count_rows"] * cfg["count_vocab"] * 2
-    lines = [f"Distributed ({_machine(result.get('meta', {}))}); payload at N = {cfg['count_rows']}, times at "
-             f"N = {cfg['rows']}, V = {cfg['vocab']}, median of {cfg['reps']}", "",
-             "| split | collectives fwd / bwd | payload per rank | vs logits gather | 2 procs ms | 1 proc ms | ratio |",
-             "|---|---|---|---|---|---|---|"]
-    exact = distributed_rows(result)
-    for split, r in result["splits"].items():
-        nbytes = sum(r["bytes"].values())
-        lines.append(f"{exact[split]} {nbytes / gather:.2e} | {r['ms']:.1f} | {single:.1f} | {r['ms'] / single:.2f}x |")
-    return "\n".join(lines)
+    """The table `bench --distributed` prints (bench/distributed.py's format_result), under the machine."""
+    from gspo_kernels.bench.distributed import format_result
+
+    return f"Distributed ({_machine(result.get('meta', {}))})\n\n" + format_result(result)
 
 
 def host_table(result: dict) -> str:
-    lines = [f"Host cost of a tiny call ({_machine(result['meta'])})", "",
-             "| case | layout | ops forward / backward | host ms |", "|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['layout']} | {r['ops_forward']} / {r['ops_backward']} | {r['host_ms']:.3f} |"
-              for r in result["rows"]]
-    return "\n".join(lines)
+    """The table `bench --host` prints (bench/host.py's format_rows), under the machine."""
+    from gspo_kernels.bench.host import HostRow, format_rows
+
+    return f"Host cost of a tiny call ({_machine(result['meta'])})\n\n" + format_rows(
+        [HostRow(**r) for r in result["rows"]])
 
 
 def check_docs(distributed: dict, pages=PAGES) -> list[str]:

@@ -48,7 +48,8 @@ def _call(backend: str, logits, targets, old, advantages, mask):
     return loss, grad
 
 
-def _time_ms(fn, reps: int, device: str) -> float:
+def median_ms(fn, reps: int, device: str) -> float:
+    """Median wall time of `fn` over `reps` calls (CUDA events on a GPU); linear_profile.py uses it too."""
     times = []
     for _ in range(reps):
         if device == "cuda":
@@ -92,7 +93,7 @@ def run(tokens_list, vocab: int, backends, reps: int, device: str):
         floor_ms = 3 * tokens * vocab * 2 / H200_COPY_BYTES_PER_S * 1e3
         for backend in backends:
             eager_loss, eager_grad = (t.detach() for t in _call(backend, *inputs))
-            eager_ms = _time_ms(lambda: _call(backend, *inputs), reps, device)
+            eager_ms = median_ms(lambda: _call(backend, *inputs), reps, device)
             graph_ms = None
             if device == "cuda":
                 graph, loss, grad = _capture(backend, inputs)
@@ -101,7 +102,7 @@ def run(tokens_list, vocab: int, backends, reps: int, device: str):
                 if not (torch.equal(loss, eager_loss) and torch.equal(grad, eager_grad)):
                     failures.append(f"{backend} N={tokens}: replay differs from eager "
                                     f"(loss {loss.item()} vs {eager_loss.item()})")
-                graph_ms = _time_ms(graph.replay, reps, device)
+                graph_ms = median_ms(graph.replay, reps, device)
                 del graph
             rows.append(dict(backend=backend, tokens=tokens, vocab=vocab, eager_ms=eager_ms, graph_ms=graph_ms,
                              floor_ms=floor_ms))

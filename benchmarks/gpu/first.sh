@@ -60,7 +60,6 @@ run "fused linear, N = 16384, H = 4096, V = 151936, bf16, against the materializ
     '"$PY" -m gspo_kernels bench --linear 16384x4096x151936 --providers materialized,fused,fused_tiles --modes fwd+bwd --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench_linear.txt"'
 run "batch invariance at N = 4096 (rows alone against in a batch)" 1 60 \
     '"$PY" benchmarks/gpu/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles --sizes 4096 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" | tail -n 6'
-run "summary" 0 20 '"$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md" && head -n 20 "$OUT/summary.md"'
 # What the budget leaves after the headline goes to these, in this order; each is skipped once
 # the budget is spent. The wheels (.whl, benchmarks/gpu/wheels.sh) are needed by Megatron-Core only.
 run "distributed: the NCCL path in a group of one GPU" 1 60 \
@@ -72,7 +71,7 @@ run "Megatron-Core against ours, N = 16384, V = 151936, bf16 (needs .whl)" 1 120
     'compgen -G ".whl/*.whl" >/dev/null || { echo "SKIPPED: no .whl carried"; exit 0; };
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site";
 "$PY" benchmarks/gpu/megatron_group_of_one.py --json "$OUT/gpu_megatron.json" 2>&1 | tee "$OUT/gpu_megatron.txt" | tail -n 6'
-"$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md"  # again, with the steps after the headline
+"$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md" && head -n 24 "$OUT/summary.md"  # every step's row
 echo "first: done in $SECONDS s; steps:"
 column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
 # A device run brings back at most 8 files: everything but the summary travels in one archive.

@@ -11,26 +11,18 @@ Prints tables only; the figures go to RESULTS.md with the date and the GPU by ha
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 import gspo_kernels as gk
+from cuda_graph import median_ms  # this folder's script (the script's folder is on sys.path)
 from gspo_kernels.linear import default_chunk_rows
 
 
 def _ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    fn()  # warm-up: Triton's compilation, cuBLAS's heuristics, the allocator
+    return median_ms(fn, reps, "cuda")
 
 
 def _problem(tokens: int, hidden: int, vocab: int):

@@ -35,7 +35,7 @@ from ..loss import gspo_loss
 from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
 from .providers import Provider, Step, _always, compiled_for_timing, gspo_from_logprobs, requires
-from .report import timing_cells
+from .report import huge_pages, timing_cells
 from .runner import Measurement, measure
 from .table import format_table
 from .timing import MODES
@@ -242,9 +242,8 @@ def format_linear(rows, meta) -> str:
         if skipped:
             out.append("skipped: " + "; ".join(skipped))
         out.append("")
-    pages = "" if "thp_alloc" not in meta else f" | huge pages {'on' if meta['thp_alloc'] else 'off'} (THP_MEM_ALLOC_ENABLE)"
-    out.append(f"{meta.get('device')} | torch {meta.get('torch')} | {meta.get('cpu_threads')} CPU threads{pages} | "
-               f"{meta.get('date')}")
+    out.append(f"{meta.get('device')} | torch {meta.get('torch')} | {meta.get('cpu_threads')} CPU threads"
+               f"{huge_pages(meta)} | {meta.get('date')}")
     out.append("peak MiB: memory beyond the inputs and the gradients returned, during one forward + backward. "
                "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time; the chunked path does 8NVH.")
     if meta.get("timing"):

@@ -30,6 +30,13 @@ def _by_shape(rows):
     return groups
 
 
+def huge_pages(meta: dict) -> str:
+    """The footer's note of whether torch's CPU allocations had huge pages (runner.machine_meta)."""
+    if "thp_alloc" not in meta:
+        return ""
+    return f" | huge pages {'on' if meta['thp_alloc'] else 'off'} (THP_MEM_ALLOC_ENABLE)"
+
+
 def format_suite(result: SuiteResult) -> str:
     out = []
     for (b, t, v), rows in _by_shape(result.rows).items():
@@ -73,10 +80,9 @@ def format_suite(result: SuiteResult) -> str:
             out.append("failed: " + "; ".join(failed))
         out.append("")
     m = result.meta
-    pages = "" if "thp_alloc" not in m else f" | huge pages {'on' if m['thp_alloc'] else 'off'} (THP_MEM_ALLOC_ENABLE)"
     out.append(f"{m.get('device')} | torch {m.get('torch')} | triton {m.get('triton', '-')} | "
-               f"{m.get('cpu_threads')} CPU threads | copy bandwidth {m.get('copy_bandwidth_gbs')} GB/s{pages} | "
-               f"{m.get('date')}")
+               f"{m.get('cpu_threads')} CPU threads | copy bandwidth {m.get('copy_bandwidth_gbs')} GB/s"
+               f"{huge_pages(m)} | {m.get('date')}")
     out.append("peak MiB: memory beyond the inputs during one forward + backward (the gradient included). "
                "% of byte floor: (3*N*V*bytes / copy bandwidth) / fwd+bwd time.")
     if m.get("timing"):
