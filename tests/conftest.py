@@ -11,6 +11,25 @@ import torch  # noqa: E402
 from gspo_kernels import backends  # noqa: E402
 
 
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config):
+    """Under CI the suite refuses to run without the native extension: without it the cpu and cuda
+    backends leave every parametrisation below (and test_native_ops.py skips), so a broken build
+    would pass as fewer tests. On a developer's machine the run goes on, and says so in its header."""
+    if _under_ci() and not backends.native_available():
+        raise pytest.UsageError("CI=true, and the native extension gspo_kernels.backends._C does not import: "
+                                f"{backends.native_backend.load_error()} (build it: pip install --no-build-isolation -e .)")
+
+
+def pytest_report_header(config):
+    dropped = "" if backends.native_available() else (
+        f" (cpu and cuda left out: gspo_kernels.backends._C does not import: {backends.native_backend.load_error()})")
+    return f"gspo_kernels backends under test: {', '.join(BACKENDS)}{dropped}"
+
+
 def import_installed(name: str):
     """pytest.importorskip(name), also skipping where `name` is only a namespace package (a folder of
     that name on sys.path without the package: a GPU machine's image had one for trl, and
@@ -67,3 +86,27 @@ def small_blocks():
     triton.block_v_override = 64
     yield
     triton.block_v_override = old
+
+
+@pytest.fixture
+def row_count_products(monkeypatch):
+    """The fused-linear logits product summed over H in two parts split where the row count says,
+    as a BLAS picks its split-K by a product's shape: the default path then gives a row other
+    bits in a batch of another size on every machine, so an invariance test's control can show
+    that its check fails without batch_invariant. The batch-invariant path multiplies row blocks
+    of one fixed size, so the split it gets never changes."""
+    from gspo_kernels.linear import products
+
+    plain = products.Operands._block_logits
+
+    def split_by_rows(self, h, cols):
+        hidden = h.shape[1]
+        if hidden < 2:
+            return plain(self, h, cols)
+        at = 1 + h.shape[0] % (hidden - 1)
+        weight, bias = self._weight(cols), self._bias(cols)
+        mm = products._mm_fp32 if self.native else torch.mm
+        z = mm(h[:, :at], weight[:, :at].t()) + mm(h[:, at:], weight[:, at:].t())
+        return z if bias is None else z + bias
+
+    monkeypatch.setattr(products.Operands, "_block_logits", split_by_rows)

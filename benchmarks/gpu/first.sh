@@ -2,7 +2,9 @@
 # `check.sh first`: the first GPU truth in one device call of at most 9 minutes. Each step runs
 # under its own timeout, cut to what is left of the part's budget (FIRST_BUDGET, default 530 s),
 # so a failing or slow step does not stop the rest; every step prints its command, its status and
-# its time. On a machine without a GPU (a rehearsal) the GPU steps print SKIPPED. The summary
+# its time. On a machine without a GPU (a rehearsal) the GPU steps print SKIPPED; a step whose own
+# output says SKIPPED (a missing input) is recorded as skipped, not ok. The call exits 1 when a
+# step failed or timed out, 0 otherwise (skipped steps do not fail it). The summary
 # (summary.json, summary.md) goes to $OUT; benchmarks/gpu/summarize.py --append adds summary.md
 # to benchmarks/RESULTS.md with the date and the GPU.
 #
@@ -32,8 +34,12 @@ run() {
     if [ "$limit" -lt 10 ]; then
         echo "SKIPPED: the part's budget is spent"; printf '%s\tskipped: budget\t0\n' "$name" >> "$STEPS"; return
     fi
-    timeout "$limit" bash -o pipefail -c "$cmd"; rc=$?
+    local log; log="$(mktemp)"
+    timeout "$limit" bash -o pipefail -c "$cmd" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
     local status="ok"; [ "$rc" = 124 ] && status="timed out"; [ "$rc" != 0 ] && [ "$rc" != 124 ] && status="failed (rc $rc)"
+    # A step that said it skipped (a missing input) ran nothing: it is recorded as skipped, not ok.
+    [ "$rc" = 0 ] && grep -q '^SKIPPED' "$log" && status="skipped: $(grep -m1 '^SKIPPED' "$log" | cut -c10- | tr '\t' ' ')"
+    rm -f "$log"
     printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >> "$STEPS"
     echo "--- $name: $status in $((SECONDS - start)) s"
 }
@@ -74,8 +80,14 @@ run "Megatron-Core against ours, N = 16384, V = 151936, bf16 (needs .whl)" 1 120
 "$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md" && head -n 24 "$OUT/summary.md"  # every step's row
 echo "first: done in $SECONDS s; steps:"
 column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
+# The call fails when a step failed or timed out; skipped steps (no GPU, no budget left) do not fail it.
+FAILED_STEPS="$(awk -F'\t' '$2 ~ /^(failed|timed out)/ {print "  " $1 ": " $2}' "$STEPS")"
 # A device run brings back at most 8 files: everything but the summary travels in one archive.
 # (The archive is written outside $OUT first: tar fails on an archive that grows inside the folder it reads.)
 ARCHIVE="$(mktemp -d)/first_logs.tgz"
 tar czf "$ARCHIVE" -C "$OUT" --exclude summary.md --exclude summary.json . \
     && mv "$ARCHIVE" "$OUT/" && find "$OUT" -maxdepth 1 -type f ! -name summary.md ! -name summary.json ! -name first_logs.tgz -delete
+if [ -n "$FAILED_STEPS" ]; then
+    printf 'first: FAILED steps:\n%s\n' "$FAILED_STEPS"
+    exit 1
+fi

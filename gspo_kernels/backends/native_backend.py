@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .contract import GradInputs
 from .layout import with_unit_vocab_stride
 
 _load_error: str | None = None
-try:
-    from . import _C  # noqa: F401  (loading it registers torch.ops.gspo_kernels.*)
+try:  # loading it registers torch.ops.gspo_kernels.*; import_module names the missing module in its error
+    _C = importlib.import_module("._C", __package__)
 except ImportError as exc:  # not built: the Triton and torch backends still work
     _C = None
     _load_error = str(exc)

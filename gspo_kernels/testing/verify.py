@@ -55,6 +55,26 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-12) -
     return diff / max(float(ref.norm()), floor)
 
 
+def worst(errors: "dict[str, float] | list[float]") -> float:
+    """The largest of `errors` where a NaN or inf counts as the largest: Python's max() keeps a NaN
+    only when it comes first, so a NaN error listed after a finite one would pass a bound."""
+    values = list(errors.values()) if isinstance(errors, dict) else list(errors)
+    if not values:
+        raise ValueError("no errors to compare: nothing was checked")
+    return math.inf if any(not math.isfinite(v) for v in values) else max(values)
+
+
+def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                    floor: float = 1e-12) -> dict[str, float]:
+    """relative_error of every entry, by name: the two must name the same entries, and an entry
+    whose reference is exactly zero is compared too (any non-zero value of ours there is
+    ||out|| / floor, far above a tolerance)."""
+    if got.keys() != want.keys():
+        raise ValueError(f"entries differ: only ours {sorted(got.keys() - want.keys())}, "
+                         f"only the reference's {sorted(want.keys() - got.keys())}")
+    return {name: relative_error(got[name], want[name], floor) for name in want}
+
+
 @dataclass
 class CaseResult:
     errors: dict[str, float]

@@ -25,3 +25,14 @@ def test_the_pages_state_todays_collectives_and_payloads(tmp_path):
     prose = tmp_path / "distributed.md"
     prose.write_text(doc_tables.PAGES[1].read_text().replace("900 B", "912 B"))
     assert len(doc_tables.check_docs(result, (stale, prose))) == 2
+
+
+def test_the_check_fails_both_ways(tmp_path):
+    """A result with no splits checks nothing and says so; a page row whose split the bench no
+    longer measures is flagged (the check reads the page against the result, not only back)."""
+    result = run(DistributedBench(rows=512, vocab=64, reps=1))
+    assert doc_tables.check_docs({**result, "splits": {}}) == [
+        "the distributed result holds no splits: nothing to check the pages against"]
+    gone = dict(result, splits={k: v for k, v in result["splits"].items() if k != "dp"})
+    problems = doc_tables.check_docs(gone)
+    assert problems == ["performance.md: documents a dp row that the result no longer has"], problems

@@ -1,6 +1,7 @@
 """Hypothesis settings of the fuzz: a short, reproducible "ci" profile and a "long" one.
 
     .venv/bin/python -m pytest tests/fuzz -q                         # ci (the default)
+    GSPO_FUZZ_PROFILE=mutants ...                                    # ci's draws, no shrinking (mutants.py)
     GSPO_FUZZ_PROFILE=long .venv/bin/python -m pytest tests/fuzz -q  # before calling a rewrite done
 
 ci: derandomize=True, so every run draws the same examples (a function of each test's source),
@@ -17,8 +18,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 PROFILE = os.environ.get("GSPO_FUZZ_PROFILE", "ci")
-if PROFILE not in ("ci", "long"):
-    raise ValueError(f"GSPO_FUZZ_PROFILE must be 'ci' or 'long'; got {PROFILE!r}")
+if PROFILE not in ("ci", "long", "mutants"):
+    raise ValueError(f"GSPO_FUZZ_PROFILE must be 'ci', 'long' or 'mutants'; got {PROFILE!r}")
 
 # Examples per test in the ci profile, by (entry point, backend); the long profile runs
 # LONG_FACTOR times as many. Measured on this 2-core CPU: one example takes ~12 ms for gspo_loss
@@ -45,6 +46,10 @@ _COMMON = dict(
 # vary freely, minutes through Triton's interpreter; the long profile keeps it.
 settings.register_profile("ci", derandomize=True, database=None,
                           phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink), **_COMMON)
+# mutants: the ci draws, stopped at the first failure (no shrinking: a planted defect needs to be
+# found, not minimised); tests/fuzz/test_mutants.py runs a slice of the fuzz under it per mutant.
+settings.register_profile("mutants", derandomize=True, database=None,
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate), **_COMMON)
 settings.register_profile(
     "long", derandomize=False,
     database=DirectoryBasedExampleDatabase(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".hypothesis")),

@@ -62,7 +62,7 @@ def _stats(path, case, hidden, targets, coef, mask=None, **linear):
     view = leaf[:, :-1] if leaf.dim() == 3 and linear.pop("strided", False) else leaf
     logp, entropy = gk.fused_linear_selective_log_softmax(
         view, weight, targets, bias=bias, return_entropy=True, backend=backend, fused=fused, mask=mask,
-        batch_invariant=True, **linear)
+        batch_invariant=linear.pop("batch_invariant", True), **linear)
     keep = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
     (keep * (logp * coef[..., 0] + entropy * coef[..., 1])).sum().backward()
     grad = leaf.grad[:, :-1] if view is not leaf else leaf.grad
@@ -95,6 +95,31 @@ def test_rows_do_not_depend_on_the_batch(path, dtype):
     for part in (slice(0, 20), slice(20, ROWS)):  # sub-batches of 20 and 16
         sub = _stats(path, case, hidden[part], targets[part], coef[part], chunk_size=3)
         _assert_rows_equal(sub, [t[part] for t in whole], f"in sub-batch {part}")
+
+
+def _differing_rows(path, case, batch_invariant):
+    """Rows (of 0, 17, 35) whose log-prob, entropy or d hidden alone differ in bits from the batch's."""
+    hidden, targets, coef = case[0], case[3], case[4]
+    whole = _stats(path, case, hidden, targets, coef, chunk_size=7, batch_invariant=batch_invariant)
+    differing = []
+    for row in (0, 17, 35):
+        alone = _stats(path, case, hidden[row:row + 1], targets[row:row + 1], coef[row:row + 1], chunk_size=5,
+                       batch_invariant=batch_invariant)
+        if not all(torch.equal(a, b[row:row + 1]) for a, b in zip(alone, whole)):
+            differing.append(row)
+    return differing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_check_fails_without_batch_invariant(backend, row_count_products):
+    """The control of the test above, on every machine: a logits product whose sum over H is split
+    where the row count says (as a BLAS picks split-K by shape) makes the default path give rows
+    alone other bits than in the batch, and the comparison sees it; batch_invariant=True under the
+    same product gives the same bits, since its products always have one row count."""
+    path = (backend, False)
+    case = _operands(FP32, device_for(backend))
+    assert _differing_rows(path, case, batch_invariant=False)
+    assert _differing_rows(path, case, batch_invariant=True) == []
 
 
 @pytest.mark.parametrize("path, dtype", _cases({False: [], True: [BF16]}))

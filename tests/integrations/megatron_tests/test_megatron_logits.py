@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_world import megatron_worker  # noqa: E402
 from trainer_world import run  # noqa: E402
+from gspo_kernels.testing.verify import relative_error  # noqa: E402
 
 S, B, V, TP = 7, 3, 24, 2
 CLIP = dict(eps_low=0.005, eps_high=0.01)  # the third sequence (ratio 1.0125, A > 0) clips, the other two do not
@@ -36,8 +37,7 @@ def _shard(full, rank):
 
 
 def _relative(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+    return relative_error(a, b, floor=1e-30)
 
 
 def _logprob_checks(rank):

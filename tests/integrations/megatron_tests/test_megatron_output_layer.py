@@ -13,6 +13,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_world import megatron_worker  # noqa: E402
 from trainer_world import run  # noqa: E402
+from gspo_kernels.testing.verify import relative_error  # noqa: E402
 
 S, B, H, V, TP = 6, 2, 8, 20, 2
 CLIP = dict(eps_low=0.05, eps_high=0.01)  # ratios 1.017 (A > 0: clips) and 0.979 (A < 0: does not)
@@ -51,7 +52,7 @@ def _layer(weight, bias, rank, sequence_parallel):
 
 
 def _relative(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+    return relative_error(a, b, floor=1e-30)
 
 
 def _reference(hidden, weight, bias, labels, mask, old, adv, packed):

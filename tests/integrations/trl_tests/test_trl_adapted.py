@@ -18,6 +18,7 @@ peft = pytest.importorskip("peft")
 import trl  # noqa: E402
 
 import test_trl_drop_in as T  # noqa: E402  (this folder is on sys.path)
+from gspo_kernels.testing.verify import relative_errors, worst  # noqa: E402
 from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -48,9 +49,9 @@ def _compare(pair, case, loss_tol=1e-5, grad_tol=1e-4):
     want_loss, want_grads, _ = T._run(theirs, batch, case)
     loss, grads, _ = T._run(ours, batch, case)
     assert T._rel(loss, want_loss) < loss_tol, (float(loss), float(want_loss))
-    assert grads.keys() == want_grads.keys() and grads
-    worst = max(T._rel(grads[n], want_grads[n]) for n in want_grads)
-    assert worst < grad_tol, worst
+    assert grads
+    errors = relative_errors(grads, want_grads)
+    assert worst(errors) < grad_tol, errors
     return grads
 
 
@@ -91,7 +92,8 @@ def test_bf16_with_the_head_in_float32(tmp_path):
 
 def test_bf16(tmp_path):
     """bf16=True alone: TRL's head multiplies in bf16 under autocast, ours in float32 on the bf16
-    hidden states, so the two differ by bf16 rounding of the logits (measured 7.2e-3 relative on
-    gradients, 1.3e-4 on the loss): held to that, not to float32 agreement."""
+    hidden states, so the two differ by bf16 rounding of the logits: measured 7.15e-3 relative on
+    the worst gradient, 1.26e-4 on the loss (2-core AVX-512 + AMX Xeon, torch 2.14.1; 7.2e-3 and
+    1.3e-4 when first measured), held to twice that, not to float32 agreement."""
     pair = _pair(tmp_path, T._model, bf16=True)
-    _compare_quietly(pair, dict(level="sequence", loss_type="grpo", beta=0.0), loss_tol=2e-2, grad_tol=3e-2)
+    _compare_quietly(pair, dict(level="sequence", loss_type="grpo", beta=0.0), loss_tol=2.5e-4, grad_tol=1.5e-2)

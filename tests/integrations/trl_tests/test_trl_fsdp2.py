@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import_installed("trl")
 from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
+from gspo_kernels.testing.verify import worst  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -123,7 +124,7 @@ def test_drop_in_under_fsdp2(setup, tmp_path):
         assert len(r["ours"]) == expected, (label, sorted(r["ours"])[:4])
         assert r["spread"] > 0.05, "the ranks' own gradients should differ"
         assert r["loss"] < 1e-5, (label, r["loss"])
-        worst = {n: e for n, e in r["ours"].items() if e > 1e-4}
-        assert not worst, (label, worst)
+        bad = {n: e for n, e in r["ours"].items() if not e <= 1e-4}  # a NaN error is bad too
+        assert not bad, (label, bad)
         if not SETUPS[setup]["head_unit"]:  # TRL's own trainer is right here, and so the same as ours
-            assert max(r["theirs"].values()) < 1e-4, (label, r["theirs"])
+            assert worst(r["theirs"]) < 1e-4, (label, r["theirs"])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import_installed("trl")
 pytest.importorskip("deepspeed")
 from trainer_world import join, leave, run  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
+from gspo_kernels.testing.verify import relative_errors, worst  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -66,12 +67,12 @@ def _worker(rank: int, port: int, out: str) -> None:
             "loss": float(loss.detach()),
             "fallbacks": [str(w.message) for w in caught if "gspo_kernels:" in str(w.message)],
             "head_numel": engine.module.lm_head.weight.numel(),  # partitioned: 0 outside its forward
-            "vs_mean": max(T._rel(grads[n], g) for n, g in mean.items()),
+            "vs_mean": worst(relative_errors(grads, mean)),
             "grads": grads,
         }
     ours, theirs = results["ours"], results["theirs"]
     summary = {"loss": abs(ours["loss"] - theirs["loss"]) / abs(theirs["loss"]),
-               "vs_theirs": max(T._rel(ours["grads"][n], g) for n, g in theirs["grads"].items()),
+               "vs_theirs": worst(relative_errors(ours["grads"], theirs["grads"])),
                **{f"{k}_{name}": results[name][k] for name in results for k in ("fallbacks", "head_numel", "vs_mean")}}
     leave(rank, out, summary)
 
