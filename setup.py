@@ -6,6 +6,7 @@ torch are present. Switches (environment variables):
     GSPO_SKIP_CUDA_BUILD=1     build the CPU part only
     GSPO_CUDA_ARCHS="80;90"    SASS targets (default 80 and 90), plus PTX of the highest
     GSPO_CPU_CAPABILITY=avx2   SIMD level of the CPU kernel: default | avx2 | avx512
+    GSPO_NO_OPENMP=1           CPU kernels on one thread (default: OpenMP where torch uses it)
                                (default: the best the build machine has; the extension is
                                built for the machine that runs it, like any source build)
     MAX_JOBS=2                 parallel compile jobs (ninja)
@@ -49,6 +50,19 @@ def _cpu_capability() -> str:
     return "avx2" if {"avx2", "fma", "f16c"} <= flags else "default"
 
 
+def _openmp_flags(torch) -> list[str]:
+    """-fopenmp where torch's own parallel backend is OpenMP: at::parallel_for is a template whose
+    `#pragma omp parallel` compiles into this extension, so without the flag the CPU kernels run
+    on one thread whatever torch.set_num_threads says. The extension then needs libgomp.so.1,
+    the one torch loads (torch/lib), so both share one thread pool. GSPO_NO_OPENMP=1: serial."""
+    if _truthy("GSPO_NO_OPENMP"):
+        return []
+    if not torch.backends.openmp.is_available() or os.uname().sysname != "Linux":
+        print("gspo_kernels: torch's parallel backend is not OpenMP here: the CPU kernels run serially")
+        return []
+    return ["-fopenmp"]
+
+
 def _cuda_arch_flags() -> list[str]:
     archs = [a.strip().replace(".", "") for a in os.environ.get("GSPO_CUDA_ARCHS", "80;90").split(";") if a.strip()]
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
@@ -81,7 +95,8 @@ def _extensions():
         ) from exc
 
     capability = _cpu_capability()
-    cxx = ["-O3", "-DNDEBUG", "-Wno-unknown-pragmas", f'-DGSPO_CPU_CAPABILITY_NAME="{capability.upper()}"'] + _CPU_FLAGS[capability]
+    openmp = _openmp_flags(torch)
+    cxx = ["-O3", "-DNDEBUG", f'-DGSPO_CPU_CAPABILITY_NAME="{capability.upper()}"'] + _CPU_FLAGS[capability] + openmp
     sources = ["csrc/ops.cpp", "csrc/cpu/kernels.cpp", "csrc/cpu/segments.cpp"]
     nvcc_found = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
     with_cuda = not _truthy("GSPO_SKIP_CUDA_BUILD") and torch.version.cuda is not None and nvcc_found
@@ -90,6 +105,7 @@ def _extensions():
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": cxx},
+        extra_link_args=openmp,
     )
     if with_cuda:
         kwargs["sources"] = sources + ["csrc/cuda/kernels.cu", "csrc/cuda/segments.cu"]
@@ -99,7 +115,8 @@ def _extensions():
         ext = CUDAExtension(**kwargs)
     else:
         ext = CppExtension(**kwargs)
-    print(f"gspo_kernels: building _C with CPU capability {capability}, CUDA {'on' if with_cuda else 'off'}")
+    print(f"gspo_kernels: building _C with CPU capability {capability}, OpenMP {'on' if openmp else 'off'}, "
+          f"CUDA {'on' if with_cuda else 'off'}")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

@@ -32,6 +32,12 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def("segment_expand(Tensor values, Tensor cu_seqlens, int rows) -> Tensor");
 }
 
+namespace gspo::cpu {
+// How many threads the CPU kernels' row split (at::parallel_for with their grain) runs on for a
+// problem of `rows` rows of `vocab` logits: 1 when the extension was built without OpenMP.
+int64_t row_threads(int64_t rows, int64_t vocab);
+}  // namespace gspo::cpu
+
 #ifndef GSPO_CPU_CAPABILITY_NAME
 #define GSPO_CPU_CAPABILITY_NAME "DEFAULT"
 #endif
@@ -44,4 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   m.attr("cpu_capability") = GSPO_CPU_CAPABILITY_NAME;
+#ifdef _OPENMP
+  m.attr("with_openmp") = true;
+#else
+  m.attr("with_openmp") = false;
+#endif
+  m.def("row_threads", &gspo::cpu::row_threads, "threads the CPU kernels' row split uses at (rows, vocab)",
+        pybind11::arg("rows"), pybind11::arg("vocab"));
 }

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -439,6 +440,15 @@ void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g
 }
 
 }  // namespace
+
+int64_t row_threads(int64_t rows, int64_t vocab) {
+  std::vector<char> ran(static_cast<size_t>(std::max(1, at::get_num_threads())), 0);
+  at::parallel_for(0, rows, grain_rows(vocab), [&](int64_t, int64_t) {
+    const size_t me = static_cast<size_t>(at::get_thread_num());
+    if (me < ran.size()) ran[me] = 1;  // each thread writes only its own entry
+  });
+  return std::count(ran.begin(), ran.end(), 1);
+}
 
 TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
   m.impl("token_stats", &token_stats);

@@ -116,3 +116,24 @@ def test_cpu_kernels_inline_the_simd_exp():
     so = backends.native_backend._C.__file__
     symbols = subprocess.run(["nm", "-C", so], capture_output=True, text=True, check=True).stdout
     assert "exp_u20" not in symbols
+
+
+def test_cpu_kernels_split_rows_over_every_thread():
+    """_C is built with OpenMP where torch's parallel backend is OpenMP (setup.py): the kernels'
+    row split (at::parallel_for with their grain) then runs on as many threads as torch has, up
+    to 64, on the default problem (N = 4096, V = 32768) and on few long rows (16 of 151936).
+    Without -fopenmp the pragma inside at::parallel_for compiles to nothing: one thread."""
+    C = backends.native_backend._C
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch's parallel backend is not OpenMP here")
+    assert C.with_openmp
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3, 64):
+            torch.set_num_threads(n)
+            assert C.row_threads(4096, 32768) == n
+            assert C.row_threads(16, 151936) == min(n, 16)
+        torch.set_num_threads(1)
+        assert C.row_threads(4096, 32768) == 1
+    finally:
+        torch.set_num_threads(threads)
