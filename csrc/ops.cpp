@@ -24,6 +24,11 @@ TORCH_LIBRARY(gspo_kernels, m) {
       "logits_grad_(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
       "Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap=0., "
       "Tensor? kept_min=None) -> ()");
+  // The sampler's kept set (token_stats/kept_set.py): per row, the threshold t on the raw logits
+  // such that the tokens kept by min-p, then top-k, then top-p are those with x >= t (-inf: every
+  // token kept), float32 of the logits' leading shape. top_k <= 0, top_p >= 1, min_p <= 0: unused.
+  m.def("kept_thresholds(Tensor logits, float inv_temperature, float softcap, int top_k, float top_p, "
+        "float min_p) -> Tensor");
   // Stage 2, packed layout: per-sequence sums of (N,) or (N, k) values over the rows
   // cu_seqlens[s] .. cu_seqlens[s + 1], accumulated in float64 and returned in the values'
   // dtype, (S,) or (S, k) (0 for an empty sequence).

@@ -7,8 +7,6 @@
 // NaN anywhere in a row makes that row's results NaN, checked once per block, not per element.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,11 +21,11 @@
 
 #include "../gspo_math.h"
 #include "../op_common.h"
+#include "row_vec.h"
 
 namespace gspo::cpu {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 4096;
 constexpr int64_t kChunk = 512;  // logits per partial sum inside a block (a multiple of every kStep)
 
@@ -62,8 +60,6 @@ struct ScalarOps {
 template <typename scalar_t>
 constexpr int64_t kStep = at::vec::Vectorized<scalar_t>::size();
 
-inline void load_pair(const at::BFloat16* p, Vec& a, Vec& b) { at::vec::load_fp32_from_bf16(p, a, b); }
-inline void load_pair(const at::Half* p, Vec& a, Vec& b) { at::vec::load_fp32_from_fp16(p, a, b); }
 inline at::vec::Vectorized<at::BFloat16> pack_pair(const Vec& a, const Vec& b, const at::BFloat16*) {
   return at::vec::convert_float_bfloat16(a, b);
 }
@@ -94,12 +90,6 @@ void transform(const half_t* src, half_t* dst, F&& f) {
   pack_pair(f(a), f(b), dst).store(dst);
 }
 
-inline float max_lanes(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
-}
-inline float sum_lanes(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
-}
 // The scalar twin of at::vec::maximum: a NaN wins, so a NaN logit is never dropped.
 inline float nan_max(float m, float x) { return std::isnan(x) ? x : std::max(m, x); }
 

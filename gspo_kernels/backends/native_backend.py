@@ -17,6 +17,16 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
     _C = None
     _load_error = str(exc)
 
+# The ops this module calls: an extension built from older sources lacks some, and is refused
+# whole (with the reason) rather than failing at a first call.
+OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand")
+if _C is not None:
+    _missing = [op for op in OPS if not hasattr(torch.ops.gspo_kernels, op)]
+    if _missing:
+        _C = None
+        _load_error = (f"gspo_kernels.backends._C is older than its Python code (no op {', '.join(_missing)}): "
+                       "rebuild it (pip install --no-build-isolation -e .)")
+
 
 def load_error() -> str | None:
     return _load_error
@@ -38,6 +48,10 @@ if _C is not None:
           kept_min=None):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("gspo_kernels::kept_thresholds")
+    def _(logits, inv_temperature, softcap, top_k, top_p, min_p):
+        return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
     @torch.library.register_fake("gspo_kernels::logits_grad_")
     def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0,
           kept_min=None):
@@ -47,6 +61,13 @@ if _C is not None:
 def token_stats(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
     return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, inv_temperature, softcap,
                                               kept_min)
+
+
+def kept_thresholds(logits, inv_temperature, softcap, top_k, top_p, min_p):
+    """The sampler's kept set as per-row thresholds on the raw logits (CPU tensors; top_k 0,
+    top_p 1.0 and min_p 0.0 for a filter not applied): csrc/cpu/kept_set.cpp."""
+    return torch.ops.gspo_kernels.kept_thresholds(with_unit_vocab_stride(logits), inv_temperature, softcap, top_k,
+                                                  top_p, min_p)
 
 
 def logits_grad(logits, inputs: GradInputs):

@@ -153,16 +153,17 @@ FAMILY = {
     "obj_gmpo": dict(objective="gmpo", eps_low=0.4, eps_high=0.4),
     "obj_clip_corrected": dict(rollout_correction="sequence-mask", rollout_is_min=0.5, top_entropy_quantile=0.2,
                                off_policy_mask_threshold=0.5, delta=2.0),
-    # The sampler's kept set: a PyTorch pre-pass (one more read, a sort of each row for top-p).
-    # Last: on a CPU what runs after their sorts runs faster (the cpu backward 44.7 -> 32.2 ms after
-    # tx_top_p, 2-core EPYC, 2026-12-04), and only the full suite times them, so before the others
-    # they made the full suite's obj_* rows 1.2-1.4x faster than the quick suite's.
+    # The sampler's kept set: a selection pass before the kernels (the cpu backend's own,
+    # csrc/cpu/kept_set.cpp; elsewhere a PyTorch pre-pass that sorts each row for top-p).
+    # Last: on a CPU what ran after the PyTorch pre-pass's sorts ran faster (the cpu backward
+    # 44.7 -> 32.2 ms after tx_top_p, 2-core EPYC, 2026-12-04), and only the full suite times them.
     "tx_top_k": dict(sampling_top_k=50),
     "tx_top_p": dict(sampling_top_p=0.9),
+    "tx_min_p": dict(sampling_min_p=0.1),
 }
-# The kept set's PyTorch pre-pass takes seconds a call on a CPU (2.1 s and 13 s at N = 4096,
-# V = 32768, one thread): the quick suite (the main job's) leaves them to the full one.
-FULL_ONLY_FAMILY = {"tx_top_k", "tx_top_p"}
+# The PyTorch pre-pass took seconds a call on a CPU (2.1 s and 13 s at N = 4096, V = 32768, one
+# thread), and the main job's quick suite is at its time limit: they stay in the full suite.
+FULL_ONLY_FAMILY = {"tx_top_k", "tx_top_p", "tx_min_p"}
 
 
 def _family(options):

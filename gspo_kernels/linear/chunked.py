@@ -49,7 +49,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
             else:
                 logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
             if kept_min is not None:  # the sampler's kept set, from this chunk's logits
-                kept_min[part] = kept_thresholds(logits, (plan.inv_temperature, plan.softcap), plan.sampling)
+                kept_min[part] = kept_thresholds(logits, (plan.inv_temperature, plan.softcap), plan.sampling,
+                                                 plan.backend_name)
             logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.inv_temperature,
                                                                              plan.softcap,
                                                                              None if kept_min is None else kept_min[part])

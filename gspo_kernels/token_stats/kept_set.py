@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import native_backend
 from ..backends.contract import mapped_logits_
 
 # Float32 scratch per chunk of rows (the pre-pass holds about five row-sized buffers).
@@ -95,11 +96,18 @@ def _row_blocks(logits: torch.Tensor, chunk: int):
             yield b * seq + t, logits[b, t:t + chunk]
 
 
-def kept_thresholds(logits: torch.Tensor, logit_map: tuple, sampling: SamplingFilter) -> torch.Tensor:
+def kept_thresholds(logits: torch.Tensor, logit_map: tuple, sampling: SamplingFilter,
+                    backend_name: str = "torch") -> torch.Tensor:
     """Per row of logits `(B, T, V)` or `(N, V)`: the threshold on the raw logits of the tokens
     the sampler keeps, float32, of the rows' shape (contiguous); -inf for a row that keeps every
     token (among them a row with a NaN logit, or a +inf one without a soft-cap, whose results
-    are NaN as for any such row); a row with fewer finite logits than top_k keeps them all."""
+    are NaN as for any such row); a row with fewer finite logits than top_k keeps them all.
+    The cpu backend selects in its own kernel (csrc/cpu/kept_set.cpp: no sort, no float32 copy
+    of the logits); the other backends take the PyTorch pre-pass below, the reference."""
+    if backend_name == "cpu" and logits.device.type == "cpu":
+        return native_backend.kept_thresholds(
+            logits, *logit_map, sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p,
+            sampling.min_p or 0.0)
     vocab = max(logits.shape[-1], 1)
     chunk = max(1, _CHUNK_BYTES.get(logits.device.type, _CHUNK_BYTES["cuda"]) // (20 * vocab))
     out = torch.empty(logits.shape[:-1].numel(), dtype=torch.float32, device=logits.device)

@@ -84,11 +84,13 @@ def token_stats(logits, targets, logit_map: tuple, backend_name: str, inplace: b
     logits are this rank's slice and the results are the global ones. sampling (or a given
     sampling_threshold, the raw logits' per-token minimum kept): the log-probs and entropies of
     the sampler's kept set (kept_set.py)."""
-    kept_min = sampling_kept_min(logits, targets.shape, logit_map, sampling, sampling_threshold, tp_slice)
+    kept_min = sampling_kept_min(logits, targets.shape, logit_map, sampling, sampling_threshold, tp_slice,
+                                 backend_name)
     return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice, kept_min)
 
 
-def sampling_kept_min(logits, token_shape, logit_map: tuple, sampling, sampling_threshold, tp_slice):
+def sampling_kept_min(logits, token_shape, logit_map: tuple, sampling, sampling_threshold, tp_slice,
+                      backend_name: str = "torch"):
     """The per-row kept-set thresholds the kernels take (float32, contiguous, token_shape), or
     None when the sampler kept every token."""
     active = sampling is not None and sampling.active
@@ -102,7 +104,7 @@ def sampling_kept_min(logits, token_shape, logit_map: tuple, sampling, sampling_
                                   "across ranks, which is not implemented: compute the log-probs without "
                                   "tp_group, or without the sampling options")
     if sampling_threshold is None:
-        return kept_thresholds(logits, logit_map, sampling).reshape(token_shape)
+        return kept_thresholds(logits, logit_map, sampling, backend_name).reshape(token_shape)
     if not isinstance(sampling_threshold, torch.Tensor) or not sampling_threshold.dtype.is_floating_point:
         raise TypeError("sampling_threshold must be a float tensor: per token, the smallest raw logit the sampler "
                         "kept")

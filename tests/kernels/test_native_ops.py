@@ -1,4 +1,4 @@
-"""The compiled ops gspo_kernels::{token_stats, logits_grad, logits_grad_}: opcheck (schema,
+"""The compiled ops gspo_kernels::{token_stats, logits_grad, logits_grad_, kept_thresholds}: opcheck (schema,
 fake tensors, autograd registration, AOT dispatch), argument checks, and the build itself."""
 
 import os
@@ -52,6 +52,14 @@ def test_opcheck_logits_grad(device, dtype, with_entropy, with_mask):
     expected = torch.ops.gspo_kernels.logits_grad(logits, *args)
     torch.ops.gspo_kernels.logits_grad_(inplace, *args)
     assert torch.equal(inplace, expected)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_opcheck_kept_thresholds(dtype, strided):
+    logits, _ = _inputs("cpu", dtype, strided=strided)
+    for filters in ((5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (7, 0.9, 0.05)):
+        torch.library.opcheck(torch.ops.gspo_kernels.kept_thresholds.default, (logits, 0.9, 0.0, *filters))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -185,3 +185,77 @@ def test_gradcheck_float64(options):
     targets = logits.detach().argmax(-1)
     assert torch.autograd.gradcheck(
         lambda z: gk.selective_log_softmax(z, targets, 0.9, True, backend="torch", **options), (logits,))
+
+
+def _kept_set_rows(gen, vocab, dtype):
+    """Rows of every kind the selection meets: spread and peaked, ties (rounded logits, one value
+    everywhere), -inf logits, a NaN row, a +inf one, all -inf, a +inf above flat ones (soft-capped,
+    it may hold most of the mass alone); V not a multiple of any SIMD width."""
+    x = torch.randn(12, vocab, generator=gen, dtype=torch.float64) * torch.tensor([0.3, 1.0, 3.0, 8.0] * 3)[:, None]
+    x[4] = x[4].round()
+    x[5] = 1.5
+    x[6, : vocab // 2] = -math.inf
+    x[7, min(3, vocab - 1)] = math.nan
+    x[8, min(1, vocab - 1)] = math.inf
+    x[9] = -math.inf
+    x[10, 0] += 40.0  # one token holds nearly all the mass
+    x[11] = -5.0
+    x[11, -1] = math.inf  # soft-capped, a finite z that may hold most of the mass alone
+    return x.to(dtype)
+
+
+def _float64_kept(rows, logit_map, sampling):
+    """The float64 sampler's kept set of float rows under the logit map (scale, cap)."""
+    x64 = rows.double().reshape(-1, rows.shape[-1])
+    scale, cap = logit_map
+    z64 = cap * torch.tanh(x64 * scale) if cap > 0 else x64 * scale
+    return reference.sampler_kept(z64, sampling.top_k, sampling.top_p, sampling.min_p, order=x64)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the native extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("vocab", [1, 37, 1000, 5003])
+def test_native_selection_keeps_the_samplers_set(dtype, vocab, seed):
+    """The cpu backend's selection (csrc/cpu/kept_set.cpp, no sort of the row) on every filter and
+    their combinations, with and without a soft-cap, on contiguous and strided rows of every kind:
+    the float64 sampler's kept set in every row. Without a soft-cap the threshold is also the
+    PyTorch pre-pass's (kept_set.py) to the bit; with one, on rows whose capped z are nearly flat,
+    the pre-pass's float32 running sum keeps other tokens at top-p 0.99 than the sampler
+    (test_native_top_p_near_one_keeps_the_float64_samplers_set)."""
+    from gspo_kernels.token_stats.kept_set import SamplingFilter, kept_thresholds
+
+    gen = torch.Generator().manual_seed(seed % 2**31)
+    x = _kept_set_rows(gen, vocab, dtype)
+    strided = torch.cat([x, x[:, :1]], 1)[:, :-1]  # row stride vocab + 1
+    filters = [SamplingFilter(1), SamplingFilter(5), SamplingFilter(None, 0.5), SamplingFilter(None, 0.95),
+               SamplingFilter(None, None, 0.2), SamplingFilter(None, 1.0, 0.0), SamplingFilter(3, 0.9, 0.05),
+               SamplingFilter(vocab + 3, 0.99, None)]
+    for rows in (x, strided):
+        xf = rows.float()
+        for logit_map in ((1.0, 0.0), (1 / 0.7, 0.0), (1.3, 2.5)):
+            for sampling in filters:
+                if not sampling.active:
+                    continue
+                got = kept_thresholds(rows, logit_map, sampling, "cpu")
+                where = f"{sampling}, map {logit_map}, {'strided' if rows is strided else 'contiguous'}"
+                kept = (xf >= got[:, None]) | (got == -math.inf)[:, None]  # -inf: every token (NaN ones too)
+                assert torch.equal(kept, _float64_kept(xf, logit_map, sampling)), where
+                if logit_map[1] == 0.0:
+                    assert torch.equal(got, kept_thresholds(rows, logit_map, sampling, "torch")), where
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the native extension is not built")
+def test_native_top_p_near_one_keeps_the_float64_samplers_set(seed):
+    """top_p = 0.999 on rows whose soft-capped z are nearly flat: the boundary lies where a float32
+    running sum of thousands of probabilities is off by more than the masses that decide it, so
+    the float32 pre-pass keeps other tokens than the float64 sampler; the native selection sums
+    the masses in float64 and keeps the sampler's set."""
+    from gspo_kernels.token_stats.kept_set import SamplingFilter, kept_thresholds
+
+    gen = torch.Generator().manual_seed(seed % 2**31)
+    x = (torch.randn(6, 5003, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 3.0, 8.0] * 2)[:, None]).float()
+    scale, cap = 1.3, 2.5
+    got = kept_thresholds(x, (scale, cap), SamplingFilter(None, 0.999), "cpu")
+    z64 = cap * torch.tanh(x.double() * scale)
+    want = reference.sampler_kept(z64, top_p=0.999, order=x.double())
+    assert torch.equal((x >= got[:, None]) | (got == -math.inf)[:, None], want)

@@ -1,0 +1,401 @@
+// The sampler's kept set on the CPU: per row, the threshold t on the raw logits such that the
+// tokens vLLM's sampler keeps (min-p, then top-k, then top-p) are exactly {x >= t}, with no sort
+// of the row (token_stats/kept_set.py states the rules; its PyTorch pre-pass is the reference).
+//
+// Each filter keeps an upper set of the raw logits, so the kept set is always {x >= lower} and
+// every filter only raises `lower`: min-p by one compare with the row's max z; top-k and top-p
+// by a selection among the few logits above a bound guessed from a strided sample of the row
+// (checked, and widened to every kept logit when the guess was too high). The full passes over a
+// row are SIMD loads, compares and exps; a radix select's first level, a scalar scatter of every
+// logit into bins, took ~3 ns a logit on a 2-core AVX-512 Xeon, more than the plain kernel's
+// whole forward. Rows run in parallel; each thread holds a float32 copy of one row and its z.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <limits>
+#include <vector>
+
+#include "../gspo_math.h"
+#include "../op_common.h"
+#include "row_vec.h"
+
+namespace gspo::cpu {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct SamplingFilter {
+  int64_t top_k;  // <= 0: none
+  double top_p;   // >= 1: none
+  double min_p;   // <= 0: none
+};
+
+
+constexpr int kNoLane = (1 << Vec::size()) - 1;  // zero_mask() of a compare that holds in no lane
+
+// The row in float32 into x; returns its max (NaN if any logit is NaN).
+template <typename scalar_t>
+float load_row(const scalar_t* row, float* x, int64_t n) {
+  Vec vmax(-kInf);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      const Vec v = Vec::loadu(row + i);
+      v.store(x + i);
+      vmax = at::vec::maximum(vmax, v);
+    }
+  } else {
+    for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size()) {
+      Vec a, b;
+      load_pair(row + i, a, b);
+      a.store(x + i);
+      b.store(x + i + Vec::size());
+      vmax = at::vec::maximum(vmax, at::vec::maximum(a, b));
+    }
+  }
+  float m = max_lanes(vmax);
+  for (; i < n; ++i) {
+    x[i] = static_cast<float>(row[i]);
+    m = (x[i] > m || x[i] != x[i]) ? x[i] : m;
+  }
+  return m;
+}
+
+// z = map(x) over a row in SIMD: the same float32 operations as the reference's map (x * scale,
+// then tanh and * cap), tanh at::vec's.
+void map_row(const float* x, float* z, int64_t n, const LogitMap& map) {
+  const Vec scale(map.scale), cap(map.cap);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec y = Vec::loadu(x + i) * scale;
+    (map.capped() ? y.tanh() * cap : y).store(z + i);
+  }
+  for (; i < n; ++i) z[i] = map(x[i]);
+}
+
+// The smallest x whose z reaches z_min.
+float smallest_reaching(const float* x, const float* z, int64_t n, float z_min) {
+  const Vec vz_min(z_min), inf(kInf);
+  Vec small(kInf);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    small = at::vec::minimum(small, Vec::blendv(inf, Vec::loadu(x + i), Vec::loadu(z + i) >= vz_min));
+  }
+  float s = min_lanes(small);
+  for (; i < n; ++i) s = (z[i] >= z_min && x[i] < s) ? x[i] : s;
+  return s;
+}
+
+// z -> exp(z - z_max) where x >= lower, 0 elsewhere, in place; returns the sum.
+double masses_row(const float* x, float* z, int64_t n, float z_max, float lower) {
+  const Vec shift(z_max), vlower(lower), zero(0.f);
+  Vec total(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec e = Vec::blendv(zero, (Vec::loadu(z + i) - shift).exp(), Vec::loadu(x + i) >= vlower);
+    e.store(z + i);
+    total = total + e;
+  }
+  double sum = sum_lanes(total);
+  for (; i < n; ++i) {
+    z[i] = x[i] >= lower ? std::exp(z[i] - z_max) : 0.f;
+    sum += z[i];
+  }
+  return sum;
+}
+
+// The mass (e) of the logits x >= bound.
+double mass_at_least(const float* x, const float* e, int64_t n, float bound) {
+  const Vec vbound(bound), zero(0.f);
+  auto part = [&](int64_t i) { return Vec::blendv(zero, Vec::loadu(e + i), Vec::loadu(x + i) >= vbound); };
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);  // four chains: an add's latency, not its throughput, bounds one
+  constexpr int64_t kStep = 4 * Vec::size();
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    s0 = s0 + part(i);
+    s1 = s1 + part(i + Vec::size());
+    s2 = s2 + part(i + 2 * Vec::size());
+    s3 = s3 + part(i + 3 * Vec::size());
+  }
+  for (; i + Vec::size() <= n; i += Vec::size()) s0 = s0 + part(i);
+  double total = sum_lanes((s0 + s1) + (s2 + s3));
+  for (; i < n; ++i) total += x[i] >= bound ? e[i] : 0.f;
+  return total;
+}
+
+// emit(i) for each i in [0, n) where keep(i) holds, in order; any_in(i) says whether the SIMD
+// vector at i holds one, so that the vectors holding none (nearly all, above a good bound) cost
+// one compare.
+template <typename AnyIn, typename Keep, typename Emit>
+void for_each_where(int64_t n, AnyIn any_in, Keep keep, Emit emit) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    if (!any_in(i)) continue;
+    for (int64_t j = i; j < i + Vec::size(); ++j) {
+      if (keep(j)) emit(j);
+    }
+  }
+  for (; i < n; ++i) {
+    if (keep(i)) emit(i);
+  }
+}
+
+// The logits x >= bound, in row order, into xs (cleared first).
+void gather_at_least(const float* x, int64_t n, float bound, std::vector<float>& xs) {
+  xs.clear();
+  const Vec vbound(bound);
+  for_each_where(
+      n, [&](int64_t i) { return (Vec::loadu(x + i) >= vbound).zero_mask() != kNoLane; },
+      [&](int64_t i) { return x[i] >= bound; }, [&](int64_t i) { xs.push_back(x[i]); });
+}
+
+// A first guess at a lower bound for a selection: of every stride-th kept logit (a sample of
+// about kSample), the one at `rank` from the top (rank counted in the sample); -inf when the
+// sample has fewer. The caller checks the guess and falls back to every kept logit.
+constexpr int64_t kSample = 1024;
+
+struct RowScratch {
+  std::vector<float> x, e, xs, sample;
+  std::vector<std::pair<float, float>> pairs;
+  std::vector<double> buckets;
+};
+
+// The k-th largest logit among x >= lower (k < how many there are).
+float kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
+  const float* x = w.x.data();
+  // Guess a bound above which a little more than k logits lie, from a strided sample.
+  const int64_t stride = std::max<int64_t>(1, n / kSample);
+  w.sample.clear();
+  for (int64_t i = 0; i < n; i += stride) {
+    if (x[i] >= lower) w.sample.push_back(x[i]);
+  }
+  const int64_t rank = k / stride + 8;  // ~8 strides of logits to spare
+  float bound = lower;
+  if (rank < static_cast<int64_t>(w.sample.size())) {
+    std::nth_element(w.sample.begin(), w.sample.begin() + rank, w.sample.end(), std::greater<float>());
+    bound = std::max(lower, w.sample[rank]);
+  }
+  gather_at_least(x, n, bound, w.xs);
+  if (static_cast<int64_t>(w.xs.size()) < k) gather_at_least(x, n, lower, w.xs);  // the guess was high
+  std::nth_element(w.xs.begin(), w.xs.begin() + (k - 1), w.xs.end(), std::greater<float>());
+  return w.xs[k - 1];
+}
+
+// Top-p among x >= lower, with w.e holding each logit's mass exp(z - z_max) (0 below lower) and
+// `target` = top_p * their sum: the smallest logit u with (mass of the logits > u) < target.
+//
+// The answer is bracketed between two values: hi, the mass at or above which is below target,
+// and lo, the mass at or above which reaches it; then only the logits in [lo, hi) are searched.
+// The bracket is one of kBuckets equal slices of the sampled logits' range, guessed from the heavy
+// logits (mass >= target / kSample, taken exactly) and a strided sample of the others (each
+// standing for `stride` logits), and checked (and moved) by exact SIMD sums over the row.
+constexpr int64_t kBuckets = 256;
+
+float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
+  const float* x = w.x.data();
+  const float* e = w.e.data();
+  const int64_t stride = std::max<int64_t>(1, n / kSample);
+  const float heavy = static_cast<float>(target / kSample);
+  const Vec vheavy(heavy);
+  w.pairs.clear();
+  for_each_where(
+      n, [&](int64_t i) { return (Vec::loadu(e + i) >= vheavy).zero_mask() != kNoLane; },
+      [&](int64_t i) { return e[i] >= heavy; }, [&](int64_t i) { w.pairs.emplace_back(x[i], e[i]); });
+  for (int64_t i = 0; i < n; i += stride) {
+    if (x[i] >= lower && e[i] < heavy) w.pairs.emplace_back(x[i], e[i] * static_cast<float>(stride));
+  }
+  // The slices span the finite sampled logits (a soft-capped +inf, and -inf logits, fall in the
+  // first and the last slice): edge(0) = +inf, edge(kBuckets) = lower.
+  float high = -kInf, low = kInf;
+  for (const auto& pr : w.pairs) {
+    if (std::isfinite(pr.first)) {
+      high = std::max(high, pr.first);
+      low = std::min(low, pr.first);
+    }
+  }
+  const float width = high > low ? (high - low) / static_cast<float>(kBuckets) : 0.f;
+  auto edge = [&](int64_t i) {
+    if (i <= 0) return kInf;
+    if (i >= kBuckets || !(width > 0.f)) return lower;
+    return std::max(lower, high - width * static_cast<float>(i));
+  };
+  std::vector<double>& guess = w.buckets;
+  guess.assign(kBuckets, 0.0);
+  for (const auto& pr : w.pairs) {
+    const float above_high = high - pr.first;  // -inf for +inf, +inf for -inf, NaN never (no NaN rows)
+    const int64_t i = width > 0.f ? static_cast<int64_t>(std::clamp(above_high / width, 0.f, float(kBuckets - 1))) : 0;
+    guess[i] += pr.second;
+  }
+  int64_t guessed = kBuckets;  // the first edge at or above which the sample's mass reaches target
+  double estimate = 0.0;
+  for (int64_t i = 0; i < kBuckets; ++i) {
+    estimate += guess[i];
+    if (estimate >= target) {
+      guessed = i + 1;
+      break;
+    }
+  }
+  // The exact answer: the first edge i (1..kBuckets) whose mass at or above reaches target (the
+  // mass at or above edge(i) grows with i). Gallop from the guess to a bracket, then bisect; each
+  // step is one SIMD pass over the row. Past kBuckets (a rounding short of target) the last one.
+  auto reaches = [&](int64_t i) { return i >= kBuckets || mass_at_least(x, e, n, edge(i)) >= target; };
+  int64_t hi = std::min(guessed, kBuckets), lo = 0;  // reaches(hi); !reaches(lo), as edge(0) holds none
+  if (reaches(hi)) {
+    for (int64_t step = 1; hi - step > 0; step *= 2) {
+      if (!reaches(hi - step)) {
+        lo = hi - step;
+        break;
+      }
+      hi -= step;
+    }
+  } else {
+    lo = hi;
+    for (int64_t step = 1;; step *= 2) {
+      hi = std::min(lo + step, kBuckets);
+      if (reaches(hi)) break;
+      lo = hi;
+    }
+  }
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (reaches(mid) ? hi : lo) = mid;
+  }
+  const int64_t slice = hi - 1;
+  const double at_top = slice == 0 ? 0.0 : mass_at_least(x, e, n, edge(slice));
+  const float top = edge(slice), bottom = edge(slice + 1);
+  // Its logits, then a selection weighted by mass among them (expected linear time): split them
+  // around a pivot v into > v, == v and < v; with G the mass above v (of the logits above the
+  // part searched too), G >= target puts the answer above v; G < target <= G + mass(== v) makes
+  // it v (the mass above v is below target, above any smaller value it is not); else it is below.
+  // The first slice has no top: it holds the +inf logits a soft-cap makes finite.
+  auto inside = [&](int64_t i) { return x[i] >= bottom && (slice == 0 || x[i] < top); };
+  w.pairs.clear();
+  const Vec vbottom(bottom), vtop(slice == 0 ? kInf : top), vinf(kInf);
+  for_each_where(
+      n,
+      [&](int64_t i) {
+        const Vec v = Vec::loadu(x + i);
+        return ((v >= vbottom) & ((v < vtop) | (vtop == vinf))).zero_mask() != kNoLane;
+      },
+      inside, [&](int64_t i) { w.pairs.emplace_back(x[i], e[i]); });
+  auto first = w.pairs.begin(), last = w.pairs.end();
+  double above = at_top;
+  float smallest = kInf;
+  for (const auto& pr : w.pairs) smallest = std::min(smallest, pr.first);
+  uint64_t pick = 0x9e3779b97f4a7c15ull;  // a fixed pseudo-random pivot order: the same bits every run
+  while (first != last) {
+    pick = pick * 6364136223846793005ull + 1442695040888963407ull;
+    const float v = (first + static_cast<std::ptrdiff_t>((pick >> 33) % static_cast<uint64_t>(last - first)))->first;
+    auto greater_end = std::partition(first, last, [v](const auto& c) { return c.first > v; });
+    auto equal_end = std::partition(greater_end, last, [v](const auto& c) { return c.first == v; });
+    double greater = 0.0, equal = 0.0;
+    for (auto it = first; it != greater_end; ++it) greater += it->second;
+    for (auto it = greater_end; it != equal_end; ++it) equal += it->second;
+    if (above + greater >= target) {
+      last = greater_end;
+    } else if (above + greater + equal >= target) {
+      return v;
+    } else {
+      above += greater + equal;
+      first = equal_end;
+    }
+  }
+  // The masses add up to a rounding short of target: every logit of the slice is kept.
+  return smallest;
+}
+
+template <typename scalar_t>
+float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, const SamplingFilter& s,
+                    RowScratch& w) {
+  w.x.resize(vocab);
+  float* x = w.x.data();
+  const float x_max = load_row(row, x, vocab);
+  // A NaN, or +inf without a soft-cap: the row has no finite softmax and keeps every token, so
+  // its results stay NaN (a soft-capped +inf is a finite z). An all -inf row keeps every token.
+  if (x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf) return -kInf;
+  const float z_max = map(x_max);
+  if (s.min_p > 0.0 || s.top_p < 1.0) {
+    w.e.resize(vocab);
+    map_row(x, w.e.data(), vocab, map);  // z; top-p turns it into masses below
+  }
+  float lower = -kInf;  // the kept set so far: {x >= lower}
+  if (s.min_p > 0.0) {  // z >= max z + log(min_p), in float32 as the reference computes it
+    lower = smallest_reaching(x, w.e.data(), vocab, z_max + static_cast<float>(std::log(s.min_p)));
+  }
+  if (s.top_k > 0 && s.top_k < vocab) {  // the k-th largest kept logit, ties with it kept
+    int64_t kept = vocab;
+    if (lower > -kInf) {
+      const Vec vlower(lower), one(1.f), zero(0.f);
+      Vec count(0.f);
+      int64_t i = 0;
+      for (; i + Vec::size() <= vocab; i += Vec::size()) count = count + Vec::blendv(zero, one, Vec::loadu(x + i) >= vlower);
+      kept = static_cast<int64_t>(sum_lanes(count));
+      for (; i < vocab; ++i) kept += x[i] >= lower;
+    }
+    if (kept > s.top_k) lower = kth_largest(w, vocab, lower, s.top_k);
+  }
+  if (s.top_p < 1.0) {  // the softmax over the kept tokens, at the row's max (always kept)
+    const double total = masses_row(x, w.e.data(), vocab, z_max, lower);
+    lower = std::max(lower, top_p_bound(w, vocab, lower, s.top_p * total));
+  }
+  // Halfway between the smallest kept logit and the largest dropped one (in float64, then
+  // float32, never at or below the dropped one): kept_set.py's margin for logits formed again.
+  const Vec vlower(lower), inf(kInf), ninf(-kInf), one(1.f), zero(0.f);
+  Vec small(kInf), big(-kInf), dropped_v(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= vocab; i += Vec::size()) {
+    const Vec v = Vec::loadu(x + i);
+    const Vec kept = v >= vlower;
+    small = at::vec::minimum(small, Vec::blendv(inf, v, kept));
+    big = at::vec::maximum(big, Vec::blendv(v, ninf, kept));
+    dropped_v = dropped_v + Vec::blendv(one, zero, kept);
+  }
+  float smallest = min_lanes(small), largest_out = max_lanes(big);
+  bool dropped = sum_lanes(dropped_v) > 0.f;
+  for (; i < vocab; ++i) {
+    if (x[i] >= lower) {
+      smallest = std::min(smallest, x[i]);
+    } else {
+      dropped = true;
+      largest_out = std::max(largest_out, x[i]);
+    }
+  }
+  if (!dropped) return -kInf;  // every token kept: the kernels' plain path, bitwise
+  const float middle = static_cast<float>((static_cast<double>(smallest) + static_cast<double>(largest_out)) / 2.0);
+  return middle > largest_out ? middle : smallest;
+}
+
+at::Tensor kept_thresholds(const at::Tensor& logits, double inv_temperature, double softcap, int64_t top_k,
+                           double top_p, double min_p) {
+  check_logits(logits, c10::kCPU);
+  const LogitMap map = logit_map(inv_temperature, softcap);
+  TORCH_CHECK(top_p > 0.0 && min_p <= 1.0, "gspo_kernels: top_p must be > 0 and min_p <= 1; got ", top_p, " and ",
+              min_p);
+  const SamplingFilter filter{top_k, top_p, min_p};
+  const RowLayout layout = row_layout(logits);
+  at::Tensor out = at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::kept_thresholds", [&] {
+    const scalar_t* base = logits.const_data_ptr<scalar_t>();
+    at::parallel_for(0, layout.rows, 1, [&](int64_t begin, int64_t end) {
+      RowScratch scratch;
+      for (int64_t row = begin; row < end; ++row) {
+        dst[row] = row_threshold(base + layout.offset(row), layout.vocab, map, filter, scratch);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) { m.impl("kept_thresholds", &kept_thresholds); }
+
+}  // namespace gspo::cpu
