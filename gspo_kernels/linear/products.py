@@ -62,6 +62,17 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).float()
 
 
+def _cpu_bf16_rows_product(dz16: torch.Tensor, weight16: torch.Tensor) -> torch.Tensor:
+    """dz16 @ weight16 (bf16; dz16 a fresh copy this may overwrite) with each row NaN exactly
+    where dz16's row holds a non-finite value. oneDNN's bf16 kernels on an AMX Xeon (torch
+    2.14.1) multiply rows in pairs: a NaN row of a 35 x 33 by 33 x 8 product also turned the row
+    beside it NaN (rows 0 and 1, for M = 33 to 79), so a padding row next to a bad row of the
+    loss got NaN where it must get exact zeros. The bad rows go in as zeros and come out NaN."""
+    bad = ~torch.isfinite(dz16).all(-1, keepdim=True)
+    out = dz16.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0) @ weight16
+    return out.masked_fill_(bad, float("nan"))
+
+
 # float32 weight rows upcast at a time on a CPU: the copy a product needs, not the whole weight
 # (V x H x 4 bytes: 2.3 GiB at V = 151936, H = 4096).
 UPCAST_BLOCK_BYTES = 16 << 20
@@ -150,7 +161,7 @@ class Operands:
         if self.native:
             return _mm_fp32(self._operand(dz), self.weight16)
         if once and self.native_once:  # CPU with native bf16: dz rounded to bf16 as on a GPU
-            return dz.to(self.dtype) @ self.weight16
+            return _cpu_bf16_rows_product(dz.to(self.dtype), self.weight16)
         d_hidden = torch.zeros(dz.shape[0], self.weight16.shape[1], dtype=self.accum_dtype, device=dz.device)
         self.add_hidden_grad(d_hidden, dz)
         return d_hidden

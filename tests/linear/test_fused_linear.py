@@ -344,3 +344,42 @@ def test_native_16bit_products_path(backend, weight_grad_fp32, monkeypatch, seed
     assert relative_error(loss, ref_loss, floor=0.1) <= 1e-5
     for leaf, ref in zip(leaves, refs):
         assert relative_error(leaf.grad, ref.grad) <= 2e-2
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if device_for(b) == "cpu"])
+def test_a_bad_row_leaves_its_padding_neighbour_exactly_zero(backend):
+    """bf16 on a CPU: `d hidden` of the rows outside the mask is exactly 0 beside a NaN row of the
+    loss. oneDNN's bf16 kernels on an AMX Xeon multiplied rows in pairs and turned row 27 (padding)
+    NaN from row 28's NaN `dz` (35 rows, V = 33, H = 8; each row's NaN reached the row above it:
+    the differential fuzz's long profile drew it); products._cpu_bf16_rows_product keeps a bad row's NaN to itself."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(35, 8, generator=gen) * 0.5).bfloat16()
+    hidden[28] = math.nan  # the first row of the mask, beside padding row 27
+    weight = (torch.randn(33, 8, generator=gen) * 0.5).bfloat16()
+    targets = torch.randint(0, 33, (35,), generator=gen)
+    mask = torch.zeros(35, dtype=torch.bool)
+    mask[28:33] = True
+    leaf = hidden.clone().requires_grad_()
+    logp = gk.fused_linear_selective_log_softmax(leaf, weight, targets, mask=mask, backend=backend)
+    (logp * mask).nansum().backward()
+    bad = torch.isnan(leaf.grad).any(-1)
+    assert bad[28:33].any() and not bad[:28].any() and not bad[33:].any(), bad.nonzero().flatten().tolist()
+    assert torch.equal(leaf.grad[~mask], torch.zeros_like(leaf.grad[~mask]))
+
+
+def test_cpu_bf16_rows_product_keeps_nan_to_its_rows():
+    from gspo_kernels.linear.products import _cpu_bf16_rows_product
+
+    gen = torch.Generator().manual_seed(1)
+    for rows in (2, 35, 64):
+        dz = torch.randn(rows, 33, generator=gen)
+        dz[1, 3] = math.nan
+        dz[rows - 1, 0] = math.inf
+        dz[0] = 0.0
+        weight = torch.randn(33, 8, generator=gen).bfloat16()
+        out = _cpu_bf16_rows_product(dz.bfloat16(), weight)
+        bad = torch.isnan(out).all(-1)
+        assert bad[1] and bad[rows - 1] and not torch.isnan(out[~bad]).any()
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        good = ~bad
+        assert torch.equal(out[good], (dz.bfloat16().nan_to_num(0.0, 0.0, 0.0) @ weight)[good])
