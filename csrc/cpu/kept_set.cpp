@@ -4,17 +4,17 @@
 //
 // Each filter keeps an upper set of the raw logits, so the kept set is always {x >= lower} and
 // every filter only raises `lower`: min-p by one compare with the row's max z; top-k and top-p
-// by a selection among the few logits above a bound guessed from a strided sample of the row
-// (checked, and widened to every kept logit when the guess was too high). The full passes over a
-// row are SIMD loads, compares and exps; a radix select's first level, a scalar scatter of every
-// logit into bins, took ~3 ns a logit on a 2-core AVX-512 Xeon, more than the plain kernel's
-// whole forward. Rows run in parallel; each thread holds a float32 copy of one row and its z.
+// by a selection among the few logits above a bound found from a strided sample of the row and
+// checked by exact SIMD passes (top_p_bound, kth_largest). Every full pass over a row is SIMD
+// loads, compares and exps: a first version, a 12/12/8-bit radix select (a scalar scatter of
+// every logit into bins) with scalar passes, took 353 ms for top-k at N = 4096, V = 32768 bf16
+// against 79 ms for the plain forward kernel (2-core AVX-512 + AMX Xeon); this one takes 75 ms.
+// Rows run in parallel; each thread holds a float32 copy of one row and its z.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -36,7 +36,6 @@ struct SamplingFilter {
   double top_p;   // >= 1: none
   double min_p;   // <= 0: none
 };
-
 
 constexpr int kNoLane = (1 << Vec::size()) - 1;  // zero_mask() of a compare that holds in no lane
 

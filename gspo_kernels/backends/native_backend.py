@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from .contract import GradInputs
 from .layout import with_unit_vocab_stride
 
 _load_error: str | None = None
-try:  # loading it registers torch.ops.gspo_kernels.*; import_module names the missing module in its error
-    _C = importlib.import_module("._C", __package__)
+try:  # loading it registers torch.ops.gspo_kernels.*; an absolute import names the missing module in its error
+    import gspo_kernels.backends._C as _C
 except ImportError as exc:  # not built: the Triton and torch backends still work
     _C = None
     _load_error = str(exc)
