@@ -155,9 +155,7 @@ void gather_at_least(const float* x, int64_t n, float bound, std::vector<float>&
       [&](int64_t i) { return x[i] >= bound; }, [&](int64_t i) { xs.push_back(x[i]); });
 }
 
-// A first guess at a lower bound for a selection: of every stride-th kept logit (a sample of
-// about kSample), the one at `rank` from the top (rank counted in the sample); -inf when the
-// sample has fewer. The caller checks the guess and falls back to every kept logit.
+// About how many logits of a row (every stride-th) the selections guess their bounds from.
 constexpr int64_t kSample = 1024;
 
 struct RowScratch {
@@ -166,7 +164,7 @@ struct RowScratch {
   std::vector<double> buckets;
 };
 
-// The k-th largest logit among x >= lower (k < how many there are).
+// The k-th largest logit among x >= lower; lower itself when fewer than k are (all stay kept).
 float kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
   const float* x = w.x.data();
   // Guess a bound above which a little more than k logits lie, from a strided sample.
@@ -183,6 +181,7 @@ float kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
   }
   gather_at_least(x, n, bound, w.xs);
   if (static_cast<int64_t>(w.xs.size()) < k) gather_at_least(x, n, lower, w.xs);  // the guess was high
+  if (static_cast<int64_t>(w.xs.size()) < k) return lower;
   std::nth_element(w.xs.begin(), w.xs.begin() + (k - 1), w.xs.end(), std::greater<float>());
   return w.xs[k - 1];
 }
@@ -329,16 +328,7 @@ float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, con
     lower = smallest_reaching(x, w.e.data(), vocab, z_max + static_cast<float>(std::log(s.min_p)));
   }
   if (s.top_k > 0 && s.top_k < vocab) {  // the k-th largest kept logit, ties with it kept
-    int64_t kept = vocab;
-    if (lower > -kInf) {
-      const Vec vlower(lower), one(1.f), zero(0.f);
-      Vec count(0.f);
-      int64_t i = 0;
-      for (; i + Vec::size() <= vocab; i += Vec::size()) count = count + Vec::blendv(zero, one, Vec::loadu(x + i) >= vlower);
-      kept = static_cast<int64_t>(sum_lanes(count));
-      for (; i < vocab; ++i) kept += x[i] >= lower;
-    }
-    if (kept > s.top_k) lower = kth_largest(w, vocab, lower, s.top_k);
+    lower = kth_largest(w, vocab, lower, s.top_k);
   }
   if (s.top_p < 1.0) {  // the softmax over the kept tokens, at the row's max (always kept)
     const double total = masses_row(x, w.e.data(), vocab, z_max, lower);

@@ -15,7 +15,7 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
     _C = None
     _load_error = str(exc)
 
-# The ops this module calls: an extension built from older sources lacks some, and is refused
+# The ops the package calls: an extension built from older sources lacks some, and is refused
 # whole (with the reason) rather than failing at a first call.
 OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand")
 if _C is not None:
