@@ -35,6 +35,8 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def("segment_sum(Tensor values, Tensor cu_seqlens) -> Tensor");
   // Stage 2, packed layout: each of `rows` rows takes its sequence's value, (S,) -> (rows,).
   m.def("segment_expand(Tensor values, Tensor cu_seqlens, int rows) -> Tensor");
+  // Fused linear on a CPU: acc (float32) += x (bf16 or float32, the same shape), in one pass.
+  m.def("accumulate_(Tensor(a!) acc, Tensor x) -> ()");
 }
 
 namespace gspo::cpu {

@@ -263,12 +263,17 @@ class GSPOConfig(_NamedOptions):
         object.__setattr__(self, "log_ratio_clamp", (low, high))
 
 
+SCHEDULES = ("auto", "one_pass", "two_pass")
+
+
 @dataclass(frozen=True)
 class LinearConfig(_NamedOptions):
     """How fused_linear_gspo_loss and fused_linear_selective_log_softmax run (docs/fused_linear.md).
 
     chunk_size: rows of float32 logits formed at a time (None: a memory budget decides).
-    weight_grad_fp32: accumulate `d weight` in float32 (False: in the weight's dtype).
+    weight_grad_fp32: accumulate `d weight` in float32 (False: in the weight's dtype, one
+    rounding per chunk; None: float32 unless the products are rounded to bf16 already, as a CPU's
+    native bf16 products are: docs/fused_linear.md, "Precision").
     reduce_hidden_grad: with tp_group, sum `d hidden` over the group (False for a framework whose
     own layer all-reduces the input gradient, as Megatron's does).
     fused: the Triton tile kernels, logits only in on-chip tiles.
@@ -277,21 +282,30 @@ class LinearConfig(_NamedOptions):
     batch_invariant: each row's log-prob, entropy and `d hidden` row bitwise independent of the
     other rows (their number, order, layout) and of chunk_size; loss, `d weight` and `d bias`
     bitwise the same from run to run (docs/fused_linear.md, "Batch invariance").
+    schedule: "auto", "one_pass" or "two_pass" (docs/fused_linear.md, "Schedules"): the loss's
+    gradient formed in forward while each group of whole sequences' logits are at hand (one
+    pass: 6NVH), or the logits formed again in backward (two passes: 8NVH); "auto" takes one
+    pass wherever the loss allows it, "one_pass" refuses a call where it does not.
     """
 
     chunk_size: int | None = None
-    weight_grad_fp32: bool = True
+    weight_grad_fp32: bool | None = None
     reduce_hidden_grad: bool = True
     fused: bool = False
     grad_filter_eps: float = DEFAULT_FILTER_EPS
     batch_invariant: bool = False
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}; got {self.schedule!r}")
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
             raise ValueError(f"chunk_size must be a positive int or None; got {size!r}")
-        for name in ("weight_grad_fp32", "reduce_hidden_grad", "fused", "batch_invariant"):
+        for name in ("reduce_hidden_grad", "fused", "batch_invariant"):
             _bool(name, getattr(self, name))
+        if self.weight_grad_fp32 is not None:
+            _bool("weight_grad_fp32", self.weight_grad_fp32)
         eps = self.grad_filter_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
             raise ValueError(f"grad_filter_eps must be a probability in [0, 1) (0: no filtering); got {eps!r}")

@@ -4,6 +4,11 @@ import zlib
 # Before gspo_kernels is imported anywhere: the Triton kernels are defined at import time, and
 # only then can they become interpreter functions that run on CPU tensors.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Fused linear's products in float32 whatever the CPU: a CPU with native bf16 would otherwise
+# round the logits to bf16 (as a trainer's lm_head does), and the grid tests, which hold the path
+# to the float64 reference at float32 precision, would test a different thing on each CPU kind.
+# The bf16 product path has its own tests, which turn it on (tests/linear/test_cpu_bf16_products.py).
+os.environ.setdefault("GSPO_CPU_BF16_PRODUCTS", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

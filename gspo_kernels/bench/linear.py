@@ -5,21 +5,29 @@ Contenders:
     eager         lm_head matmul, log_softmax(float) + gather, the GSPO formula
     eager_native  the same with the lm_head matmul in the inputs' dtype, as a trainer writes it
                   (CPU with native bf16 only: AVX512-BF16 or AMX; a GPU's eager is this already)
-    materialized  lm_head matmul, then gspo_loss (this package's kernel) on the logits
+    materialized  the trainer's own path, every ratio's base: the lm_head matmul in the inputs'
+                  dtype (float32 on a CPU without native bf16), then gspo_loss (this package's
+                  kernel) on the logits
+    materialized_fp32  the same with the matmul in float32 (CPU with native bf16 only)
     compile       torch.compile of eager
     liger         Liger-Kernel's LigerFusedLinearGRPOLoss (sequence level), when installed
     cce           Cut Cross Entropy's linear_cross_entropy as a per-token log-prob, then the
                   GSPO formula (GPU, when installed)
-    fused         gk.fused_linear_gspo_loss (chunked; default chunk rule)
+    fused         gk.fused_linear_gspo_loss (chunked; default chunk rule and schedule: one pass here)
+    fused_two_pass  the same with schedule='two_pass' (the logits formed again in backward)
     fused_tiles   the same with fused=True: the Triton tile kernels (GPU)
     fused_invariant        fused with batch_invariant=True (fixed product shapes, docs/fused_linear.md)
     fused_tiles_invariant  fused_tiles with batch_invariant=True: no atomics (GPU)
 
-On a CPU every other contender multiplies in float32 (bf16 matmuls run 10-80x slower on CPUs
-without native bf16, and round the logits to bf16 on those with it): the
-matmul-first contenders upcast inside their step (the copies count as their memory) and Liger,
-which multiplies in its inputs' dtype, gets float32 hidden states and weight as its inputs.
-On a GPU they multiply in the inputs' dtype, as a trainer does.
+On a CPU without native bf16 every contender multiplies in float32 (bf16 matmuls run 10-80x
+slower there): the matmul-first contenders upcast inside their step (the copies count as their
+memory). Where the CPU multiplies bf16 natively, materialized, eager_native and fused multiply
+the bf16 operands as a trainer's lm_head does, and eager, compile and materialized_fp32 keep
+float32. Liger, which multiplies in its inputs' dtype, gets float32 hidden states and weight on
+a CPU. On a GPU every contender multiplies in the inputs' dtype, as a trainer does.
+
+FLOPS gives each contender's multiply-adds in units of NVH: 6 for one lm_head product forward
+and two backward, 8 where backward forms the logits again.
 """
 
 from __future__ import annotations
@@ -120,12 +128,35 @@ def _native_bf16_cpu(device: str) -> str | None:
     return None
 
 
+def _fp32_differs(device: str) -> str | None:
+    # Elsewhere materialized multiplies in float32 already (a CPU without native bf16), or a
+    # trainer would not (a GPU).
+    if device != "cpu":
+        return "a GPU's lm_head multiplies in the inputs' dtype: materialized is the trainer's path there"
+    if not cpu_has_native_bf16():
+        return "materialized multiplies in float32 already on a CPU without native bf16"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_eager():
     return compiled_for_timing(_eager)
 
 
+def _native_matmul(h, w):
+    """The lm_head product as a trainer runs it: in the inputs' dtype where the device multiplies
+    it natively (a GPU; a CPU with AVX512-BF16 or AMX), else in float32."""
+    if h.device.type == "cpu" and h.dtype == torch.bfloat16 and cpu_has_native_bf16():
+        return h @ w.t()
+    return _matmul(h, w)
+
+
 def _materialized(h, w, p):
+    return gspo_loss(_native_matmul(h, w), p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
+                     eps_high=EPS_HIGH)[0]
+
+
+def _materialized_fp32(h, w, p):
     return gspo_loss(_matmul(h, w), p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
                      eps_high=EPS_HIGH)[0]
 
@@ -180,16 +211,23 @@ def _step(fn, cpu_inputs_fp32: bool = False):
     return build
 
 
+# Multiply-adds of each contender in units of NVH (the default problem's schedule for fused).
+FLOPS_NVH = {"eager": 6, "eager_native": 6, "materialized": 6, "materialized_fp32": 6, "compile": 6, "liger": 6,
+             "cce": 8, "fused": 6, "fused_two_pass": 8, "fused_tiles": 8, "fused_invariant": 8,
+             "fused_tiles_invariant": 8}
+
 LINEAR_PROVIDERS = {
     p.name: p
     for p in [
         Provider("eager", _step(_eager), _always),
         Provider("eager_native", _step(_eager_native), _native_bf16_cpu),
         Provider("materialized", _step(_materialized), _always, ours=True),
+        Provider("materialized_fp32", _step(_materialized_fp32), _fp32_differs, ours=True),
         Provider("compile", _step(lambda h, w, p: _compiled_eager()(h, w, p)), _always),
         Provider("liger", _step(_liger, cpu_inputs_fp32=True), requires("liger_kernel.chunked_loss", "liger-kernel")),
         Provider("cce", _step(_cce), requires("cut_cross_entropy", "cut-cross-entropy", gpu_only=True)),
         Provider("fused", _step(_fused), _always, ours=True),
+        Provider("fused_two_pass", _step(_fused_with(schedule="two_pass")), _always, ours=True),
         Provider("fused_tiles", _step(_fused_tiles), _gpu_only, ours=True),
         Provider("fused_invariant", _step(_fused_with(batch_invariant=True)), _always, ours=True),
         Provider("fused_tiles_invariant", _step(_fused_with(fused=True, batch_invariant=True)), _gpu_only, ours=True),
@@ -229,6 +267,7 @@ def format_linear(rows, meta) -> str:
             modes, ms, mem, _ = timing_cells(cell, name)
             table.append([
                 name,
+                f"{FLOPS_NVH[name]}NVH",
                 *modes,
                 "-" if not ms else f"{shape.flops / (ms * 1e-3) / 1e9:.0f}",
                 "-" if mem is None else f"{mem:.0f}",
@@ -237,7 +276,7 @@ def format_linear(rows, meta) -> str:
             ])
         out.append(f"fused linear: N={shape.tokens} H={shape.hidden} V={shape.vocab}, {group[0].dtype}, "
                    f"{group[0].device}")
-        out.append(format_table(["provider", *(f"{m} ms" for m in MODES), "GFLOP/s (6NVH)", "peak MiB",
+        out.append(format_table(["provider", "FLOPs", *(f"{m} ms" for m in MODES), "GFLOP/s (6NVH)", "peak MiB",
                                  "memory vs materialized", "time vs materialized"], table))
         if skipped:
             out.append("skipped: " + "; ".join(skipped))
@@ -245,7 +284,10 @@ def format_linear(rows, meta) -> str:
     out.append(f"{meta.get('device')} | torch {meta.get('torch')} | {meta.get('cpu_threads')} CPU threads"
                f"{huge_pages(meta)} | {meta.get('date')}")
     out.append("peak MiB: memory beyond the inputs and the gradients returned, during one forward + backward. "
-               "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time; the chunked path does 8NVH.")
+               "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time, whatever the contender does "
+               "(FLOPs). The base of every ratio: materialized, the lm_head in the inputs' dtype where the "
+               "device multiplies it natively, then gspo_loss. Sequences of "
+               f"{SEQ_LEN} rows (fewer when N is smaller).")
     if meta.get("timing"):
         out.append(meta["timing"] + ".")
     return "\n".join(out)

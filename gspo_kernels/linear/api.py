@@ -16,6 +16,7 @@ from ..token_stats.kept_set import SamplingFilter
 from ..inputs.checks import CallInputs, TokenLayout, check_mask, check_targets, prepare_batch
 from ..sequence.gspo_objective import gspo_objective
 from .chunked import FusedLinearTokenStats
+from .one_pass import OnePassLoss, one_pass_loss
 from .plan import LinearPlan
 from .tiled import TiledLinearTokenStats
 
@@ -64,7 +65,8 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     device. Gradients flow to hidden, weight and bias.
 
     Options: the fields of LinearConfig (chunk_size, weight_grad_fp32, reduce_hidden_grad,
-    fused, grad_filter_eps), as keywords or as `linear=LinearConfig(...)`, say how it runs;
+    fused, grad_filter_eps, batch_invariant, schedule), as keywords or as
+    `linear=LinearConfig(...)`, say how it runs;
     every other keyword is a loss option of gspo_loss (or pass `config=GSPOConfig(...)`).
     The per-call tensors are gspo_loss's.
 
@@ -87,9 +89,16 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     logit_map = kernel_logit_map(config.temperature, config.logit_scale, config.logit_softcap)
     plan = LinearPlan.of(linear, logit_map, config.backend, rows, weight, tp_group, vocab_start,
                          SamplingFilter.of(config))
-    row_mask = None if batch.row_mask is None else batch.row_mask.reshape(-1)
-    logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, plan)
-    return gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
+    groups = plan.schedule(config, batch)
+    if groups is not None:
+        loss, metrics = one_pass_loss(rows, weight, bias, plan, OnePassLoss(config, batch, groups))
+    else:
+        row_mask = None if batch.row_mask is None else batch.row_mask.reshape(-1)
+        logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, plan)
+        loss, metrics = gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
+    # The schedule that ran, as a number a trainer's logger takes (docs/fused_linear.md, "Schedules").
+    metrics["fused_linear_one_pass"] = torch.full((), float(groups is not None), device=hidden.device)
+    return loss, metrics
 
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,

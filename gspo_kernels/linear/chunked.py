@@ -78,7 +78,7 @@ class FusedLinearTokenStats(torch.autograd.Function):
                           GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature,
                                      plan.softcap, kept_min))
         reduce_hidden_grad = plan.reduce_hidden_grad
-        fp32 = plan.linear.weight_grad_fp32
+        fp32 = plan.weight_grad_fp32
         if plan.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it
             sweep = "vocab"
         else:

@@ -159,8 +159,10 @@ def _policy_inputs(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, res
     return x, old, counts, seq_log_ratio_sum / counts.length
 
 
-def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor):
-    """(the weighted per-token loss terms, g = dLoss/dlogp, h = dLoss/dH or None, metrics)."""
+def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy: torch.Tensor, aggregation=None):
+    """(the weighted per-token loss terms, g = dLoss/dlogp, h = dLoss/dH or None, metrics).
+    aggregation: W when `batch` is a group of whole sequences cut from a larger batch (the larger
+    batch's, sequence_groups.py); None: this batch's own."""
     response_only = _ResponseOnly(batch, logp.dtype)
     x, old, counts, seq_log_ratio = _policy_inputs(config, batch, logp, response_only)
     ratio = importance_ratio(config.level, x, seq_log_ratio)
@@ -186,7 +188,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     if config.entropy_coef != 0.0:
         per_token = per_token - config.entropy_coef * entropy_r
 
-    w = _aggregation_weight(config, batch, counts)
+    w = _aggregation_weight(config, batch, counts) if aggregation is None else aggregation
     # W per row, not masked: every derivative above is 0 outside the response (A, the log-ratio
     # and the corrections' weights are), and the where below keeps the terms' values out.
     w_row = batch.segments.per_row(w) if isinstance(w, torch.Tensor) and w.dim() else w
@@ -217,6 +219,25 @@ def gspo_objective(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, ent
         weighted, g, h, metrics = _evaluate(config, batch, logp_d, entropy_d)
     metrics = {"token_logprobs": logp_d.float(), "entropy": entropy_d.float(), **metrics}
     return attach_gradient(weighted, batch.segments.total, logp, entropy, g, h), metrics
+
+
+def aggregation_weight(config: GSPOConfig, batch: LossBatch, dtype: torch.dtype):
+    """The batch's W (a number, a 0-d or a per-sequence tensor), from its mask, normalizer and
+    horizon alone: what a group of its sequences needs to give each token the weight it has in
+    the whole batch's loss."""
+    (tokens_per_seq,) = batch.segments.seq_sums((batch.mask,), dtype)
+    return _aggregation_weight(config, batch, _counts(tokens_per_seq))
+
+
+def sequence_coefficients(config: GSPOConfig, group: LossBatch, logp: torch.Tensor, entropy: torch.Tensor,
+                          aggregation):
+    """(g, h) of a group of whole sequences of a batch whose W is `aggregation` (sliced to the
+    group's sequences when per sequence): each token's coefficients in the whole batch's loss,
+    since every term but W reads only its own sequence. Not for an option that reads a statistic
+    of the whole batch (a top_entropy_quantile threshold found from the entropies)."""
+    with torch.no_grad():
+        _, g, h, _ = _evaluate(config, group, logp, entropy, aggregation)
+    return g, h
 
 
 def _metrics(batch: LossBatch, term, seq_ratio, entropy_r, kl, counts: _Counts, share_per_token):

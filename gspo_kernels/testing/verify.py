@@ -189,7 +189,7 @@ def linear_operands(problem: Problem, hidden_size: int = 24, seed: int = 0):
     return [t.to(dtype).to(device) for t in tensors]
 
 
-def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weight_grad_fp32=True, fused=False,
+def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weight_grad_fp32=None, fused=False,
                     grad_filter_eps=0.0, batch_invariant=False, **options) -> CaseResult:
     """fused_linear_gspo_loss of `backend` (the Triton tile kernels with fused=True) against the
     materialized float64 reference (hidden @ weight.T + bias in float64, then

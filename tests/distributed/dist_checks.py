@@ -33,6 +33,8 @@ def _run(case: Case, p: dict, view: RankView | None, normalizer=None):
     linear_kw = {}
     if case.linear:
         linear_kw = {"bias": leaves["bias"], "chunk_size": 5, "fused": case.fused}
+        if case.sweep != "auto" and case.entry != "selective":  # a forced sweep: two passes (the loss's default is one)
+            linear_kw["schedule"] = "two_pass"
         if view is not None and "tp_group" in groups:
             linear_kw["reduce_hidden_grad"] = dict(case.options).get("reduce_hidden_grad", True)
     if case.entry == "selective":

@@ -58,11 +58,13 @@ class FuzzCase:
     off_policy: bool = False  # set off_policy_mask_threshold between the sequences' gaps
     pick: float = 0.5  # which gap (or entropy gap) a data-derived threshold sits in
     options: dict = field(default_factory=dict)  # GSPOConfig keywords
-    # fused_linear: hidden size, bias, chunk_size, batch_invariant, weight transposed, fused tiles.
+    # fused_linear: hidden size, bias, chunk_size, batch_invariant, schedule (auto: one pass
+    # wherever the loss allows it), weight transposed, fused tiles.
     hidden: int = 8
     bias: bool = True
     chunk_size: int | None = None
     batch_invariant: bool = False
+    schedule: str = "auto"
     weight_transposed: bool = False
     fused: bool = False
     # selective_log_softmax: with entropy, with mask (mask_form "none" = without).

@@ -202,7 +202,7 @@ def run_fused_linear(built: Built) -> list[str]:
     before = _snapshot(built)
     leaves = [built.base.clone().requires_grad_(), built.weight.clone().requires_grad_(),
               None if built.bias is None else built.bias.clone().requires_grad_()]
-    linear = {"chunk_size": case.chunk_size, "batch_invariant": case.batch_invariant}
+    linear = {"chunk_size": case.chunk_size, "batch_invariant": case.batch_invariant, "schedule": case.schedule}
     if case.fused:
         linear["fused"] = True
     loss, metrics = _under_test(lambda: gk.fused_linear_gspo_loss(

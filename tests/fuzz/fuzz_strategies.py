@@ -151,7 +151,8 @@ def fuzz_cases(draw, entry: str, backend: str):
     if fused:
         case.update(hidden=draw(st.sampled_from([8, 4, 16])), bias=draw(st.booleans()),
                     chunk_size=draw(st.sampled_from([None, 1, 3, 5, 8])), batch_invariant=draw(st.booleans()),
-                    weight_transposed=draw(st.booleans()))
+                    weight_transposed=draw(st.booleans()),
+                    schedule=draw(st.sampled_from(["auto", "two_pass"])))
         if backend == "triton":
             case["fused"] = draw(st.booleans())
     return FuzzCase(**case)

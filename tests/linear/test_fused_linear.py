@@ -10,7 +10,8 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels.testing import reference
 from gspo_kernels.config import LEVELS, LOSS_AGGS
-from gspo_kernels.linear import chunked
+from gspo_kernels.linear import api as linear_api, chunked, one_pass
+from gspo_kernels.linear.plan import LinearPlan
 from gspo_kernels.linear.plan import align_down, default_chunk_rows
 from gspo_kernels.linear.sweeps import choose_sweep
 from gspo_kernels.testing.problems import ProblemSpec, make_problem
@@ -24,20 +25,32 @@ HIDDEN = 24
 OPTIONS = [{}, {"temperature": 0.7}, {"beta": 0.05}, {"entropy_coef": 0.02, "temperature": 1.3}]
 
 
-@pytest.fixture(params=["rows", "vocab"])
+@pytest.fixture(params=["one_pass", "rows", "vocab"])
 def sweep(request, monkeypatch):
-    """The backward's sweep forced (choose_sweep picks vocab at most of these sizes, N < V), and
-    checked to have been asked for, so that the test ran the sweep it names."""
+    """How the gradient is formed, checked to have run: the one-pass schedule where the loss
+    allows it (fused_linear_gspo_loss's default; fused_linear_selective_log_softmax always takes
+    two passes), or two passes with the backward's sweep forced (choose_sweep picks vocab at most
+    of these sizes, N < V)."""
     calls = []
 
-    def forced(*args):
+    def record(name):
         if not torch.compiler.is_compiling():  # a traced call may not mutate a list; eager ones record
-            calls.append(args)
-        return request.param
+            calls.append(name)
 
-    monkeypatch.setattr(chunked, "choose_sweep", forced)
+    if request.param == "one_pass":
+        ran = one_pass.one_pass_loss
+
+        def recorded(*args, **kwargs):
+            record("one_pass")
+            return ran(*args, **kwargs)
+
+        monkeypatch.setattr(linear_api, "one_pass_loss", recorded)
+        monkeypatch.setattr(chunked, "choose_sweep", lambda *args: record("two_pass") or choose_sweep(*args))
+    else:
+        monkeypatch.setattr(LinearPlan, "schedule", lambda self, config, batch: None)
+        monkeypatch.setattr(chunked, "choose_sweep", lambda *args: record(request.param) or request.param)
     yield request.param
-    assert calls, "no backward asked for a sweep"
+    assert calls, "no loss or backward ran the schedule"
 
 
 def _compare(backend, dtype, level="sequence", loss_agg="seq-mean-token-mean", packed=False, chunk_size=5, seed=0,
@@ -141,12 +154,25 @@ def test_gradcheck_float64(sweep):
     weight = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
 
-    def f(h, w, b):
+    def f(h, w, b, schedule="auto"):
         loss, _ = gk.fused_linear_gspo_loss(h, w, *args[1:], bias=b, chunk_size=5, backend="torch", beta=0.1,
-                                            entropy_coef=0.05, temperature=0.9, **kwargs)
+                                            entropy_coef=0.05, temperature=0.9, schedule=schedule, **kwargs)
         return loss
 
-    assert torch.autograd.gradcheck(f, (hidden, weight, bias), eps=1e-7, atol=1e-7, rtol=1e-4)
+    if sweep != "one_pass":
+        assert torch.autograd.gradcheck(f, (hidden, weight, bias), eps=1e-7, atol=1e-7, rtol=1e-4)
+        return
+    # gradcheck runs backward twice on one forward, which the one-pass schedule refuses (its
+    # gradients are handed over once): its gradients are held to the gradchecked two passes'.
+    grads = {}
+    for schedule in ("one_pass", "two_pass"):
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        f(*leaves, schedule=schedule).backward()
+        grads[schedule] = [t.grad for t in leaves]
+    assert torch.autograd.gradcheck(lambda *t: f(*t, schedule="two_pass"), (hidden, weight, bias), eps=1e-7,
+                                    atol=1e-7, rtol=1e-4)
+    for one, two in zip(grads["one_pass"], grads["two_pass"]):
+        assert relative_error(one, two) <= 1e-12
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -210,37 +236,6 @@ def test_some_operands_frozen(backend, frozen, seed, sweep):
     for name, leaf in leaves.items():
         if name != frozen:
             assert relative_error(leaf.grad, refs[name].grad) <= 1e-5, name
-
-
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_cpu_native_bf16_products(backend, sweep, monkeypatch, seed):
-    """On a CPU with native bf16 the gradient product written once (d weight in the vocab sweep,
-    d hidden in the rows sweep) takes bf16 operands, dz rounded as on a GPU; forced on and off
-    here whatever this CPU has. Both match the float64 reference at bf16 precision, and differ
-    from each other (the path ran)."""
-    from gspo_kernels.linear import products as linear_products
-
-    if backend == "cpu" and not gk.backends.native_available():
-        pytest.skip("extension gspo_kernels.backends._C not built")
-    problem = make_problem(ProblemSpec(batch=4, seq_len=16, vocab=96, with_ref=True, seed=seed % 1000))
-    operands = linear_operands(problem, 32, seed % 1000)
-    operands = [t.bfloat16() for t in operands]
-    grads = {}
-    for native in (True, False):
-        monkeypatch.setattr(linear_products, "cpu_has_native_bf16", lambda: native)
-        result = run_linear_case(problem, backend, operands, chunk_size=16, beta=0.05, entropy_coef=0.02)
-        assert result.passed, (native, result.failures())
-        leaves = [t.detach().clone().requires_grad_() for t in operands]
-        args, kwargs = problem.loss_args()
-        kwargs.pop("temperature")
-        # The options of the checked run: with the KL and entropy terms the gradient is never 0, as it
-        # is without them where every sequence is clipped (59 of the 1000 seeds this test can draw).
-        loss, _ = gk.fused_linear_gspo_loss(leaves[0], leaves[1], *args[1:], bias=leaves[2], chunk_size=16,
-                                            backend=backend, beta=0.05, entropy_coef=0.02, **kwargs)
-        loss.backward()
-        grads[native] = {"hidden": leaves[0].grad, "weight": leaves[1].grad}
-    once = "weight" if sweep == "vocab" else "hidden"
-    assert not torch.equal(grads[True][once], grads[False][once])
 
 
 def test_cpu_bf16_products_can_be_turned_off(monkeypatch):
