@@ -80,7 +80,10 @@ class OnePassLinearLoss(torch.autograd.Function):
             # Scaled in the accumulation dtype and rounded once, in one pass (loss scaling,
             # gradient accumulation: grad_loss need not be 1); in place where it is in the
             # input's dtype already (no second V x H buffer).
-            if grad.dtype == dtype:
+            # A CPU reads grad_loss without a sync; a traced backward may not branch on it.
+            if not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and bool(grad_loss == 1):
+                out.append(grad if grad.dtype == dtype else grad.to(dtype))
+            elif grad.dtype == dtype:
                 out.append(grad.mul_(grad_loss.to(dtype)))
             else:
                 out.append(torch.mul(grad, grad_loss.to(grad.dtype),
@@ -104,7 +107,10 @@ def _run(hidden, weight, bias, plan: LinearPlan, job: OnePassLoss, need):
     grads = _Gradients(hidden, weight, bias, ops, need, plan)
     aggregation = aggregation_weight(config, batch, stats_dtype) if grads.any else None
     longest = max(group.rows.stop - group.rows.start for group in job.groups)
-    buffer = torch.empty(longest, vocab, dtype=ops.logits_dtype, device=hidden.device) if ops.cpu_bf16 else None
+    # One logits buffer for every group on a CPU, where a fresh one is mapped page by page each
+    # time (a GPU's caching allocator hands the same block back anyway).
+    on_cpu = hidden.device.type == "cpu"
+    buffer = torch.empty(longest, vocab, dtype=ops.logits_dtype, device=hidden.device) if on_cpu else None
     for group in job.groups:
         part = group.rows
         logits = ops.logits(hidden[part], None if buffer is None else buffer[:part.stop - part.start])

@@ -85,9 +85,28 @@ def _cpu_bf16_rows_product(dz16: torch.Tensor, weight16: torch.Tensor, bad: torc
     zeros. The bad rows go in as zeros and come out NaN."""
     bad = (~torch.isfinite(dz16).all(-1) if bad is None else bad).unsqueeze(-1)
     if not bool(bad.any()):
-        return dz16 @ weight16
-    out = torch.where(bad, torch.zeros((), dtype=dz16.dtype, device=dz16.device), dz16) @ weight16
+        return _rows_in_blocks(dz16, weight16)
+    out = _rows_in_blocks(torch.where(bad, torch.zeros((), dtype=dz16.dtype, device=dz16.device), dz16), weight16)
     return out.masked_fill_(bad, float("nan"))
+
+
+# Rows of one CPU bf16 product `dz @ weight` (K = V): oneDNN's time per row on a 2-core AMX Xeon
+# (torch 2.14.1, V = 32768, H = 512, ms per 2048 rows) was 49 at M = 256, 44 at 320, 83-91 at
+# 384 to 512, 72 at 1280 and 37-39 at 1536 and more: a group's 512 rows go as two products of 256.
+# Other CPU kinds: not measured.
+CPU_BF16_PRODUCT_ROWS = 256
+
+
+def _rows_in_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, CPU_BF16_PRODUCT_ROWS rows of a at a time where a has 2 to 4 blocks of them."""
+    rows = a.shape[0]
+    if rows <= CPU_BF16_PRODUCT_ROWS or rows > 4 * CPU_BF16_PRODUCT_ROWS:
+        return a @ b
+    out = torch.empty(rows, b.shape[1], dtype=a.dtype, device=a.device)
+    for start in range(0, rows, CPU_BF16_PRODUCT_ROWS):
+        part = slice(start, min(start + CPU_BF16_PRODUCT_ROWS, rows))
+        torch.mm(a[part], b, out=out[part])
+    return out
 
 
 def accumulate_(acc: torch.Tensor, x: torch.Tensor) -> None:
@@ -109,7 +128,7 @@ def _extension_loaded() -> bool:
 
 # float32 weight rows upcast at a time on a CPU: the copy a product needs, not the whole weight
 # (V x H x 4 bytes: 2.3 GiB at V = 151936, H = 4096).
-UPCAST_BLOCK_BYTES = 16 << 20
+UPCAST_BLOCK_BYTES = 64 << 20
 
 
 def upcast_block_rows(hidden_size: int) -> int:
@@ -177,26 +196,23 @@ class Operands:
         multiplies bf16 natively. out: a buffer of that shape and dtype to write them into (a
         CPU maps a fresh large buffer page by page on first touch: reusing one saves that)."""
         h = self.rows(hidden_rows)
-        if self.cpu_bf16:
-            weight, bias = self._weight(self.blocks[0]), self._bias(self.blocks[0])
-            if bias is None:
-                return torch.mm(h, weight.t(), out=out)
-            return torch.addmm(bias, h, weight.t(), out=out)
         if len(self.blocks) == 1:
-            z = self._block_logits(h, self.blocks[0])
-            return z if out is None else out.copy_(z)
+            return self._block_logits(h, self.blocks[0], out)
         if out is None:
             out = torch.empty(h.shape[0], self.vocab, dtype=self.accum_dtype, device=h.device)
         for cols in self.blocks:
             out[:, cols] = self._block_logits(h, cols)
         return out
 
-    def _block_logits(self, h: torch.Tensor, cols: slice) -> torch.Tensor:
+    def _block_logits(self, h: torch.Tensor, cols: slice, out: torch.Tensor | None = None) -> torch.Tensor:
         weight, bias = self._weight(cols), self._bias(cols)
         if self.native:
             z = _mm_fp32(h, weight.t())
-            return z if bias is None else z.add_(bias)
-        return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+            z = z if bias is None else z.add_(bias)
+            return z if out is None else out.copy_(z)
+        if bias is None:
+            return torch.mm(h, weight.t(), out=out)
+        return torch.addmm(bias, h, weight.t(), out=out)
 
     @property
     def logits_dtype(self) -> torch.dtype:
@@ -246,6 +262,9 @@ class Operands:
                 torch.mm(dz.t().to(self.dtype), hidden_rows, out=d_weight)
             else:
                 d_weight.addmm_(dz.t().to(self.dtype), hidden_rows)
+            return
+        if first and not self.native and not self.cpu_bf16:  # float32 products: the first writes it
+            torch.mm(dz.t(), as_matmul_dtype(hidden_rows), out=d_weight)
             return
         if first:
             d_weight.zero_()
