@@ -32,10 +32,13 @@ VERL=(verl==0.9.1 ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025
 
 # megatron_group_of_one.py: megatron-core (2.6 MiB; numpy, packaging and torch are there).
 MEGATRON=(megatron-core==0.16.1)
+# The fused-linear peers timed beside ours (bench --linear's liger and cce rows): pure Python on
+# Triton, under 1 MiB together.
+PEERS=(liger-kernel==0.8.5 cut-cross-entropy==25.1.1)
 
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$DEST" "${TRL[@]}" "${VERL[@]}" "${MEGATRON[@]}"
+    --platform manylinux2014_x86_64 -d "$DEST" "${TRL[@]}" "${VERL[@]}" "${MEGATRON[@]}" "${PEERS[@]}"
 # hydra-core 1.3 needs antlr4 4.9.*, published as an sdist only: built here into a pure-Python wheel.
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$DEST" antlr4-python3-runtime==4.9.3
 # The whole ray wheel (76 MiB) is over the 64 MiB that travels: its cluster executables, jars and

@@ -56,13 +56,23 @@ class LinearShape:
     tokens: int
     hidden: int
     vocab: int
+    seq_len: int = SEQ_LEN  # rows per sequence (all N rows one sequence when N is smaller)
 
     def __str__(self) -> str:
-        return f"{self.tokens}x{self.hidden}x{self.vocab}"
+        base = f"{self.tokens}x{self.hidden}x{self.vocab}"
+        return base if self.seq_len == SEQ_LEN else f"{base}/{self.seq_len}"
 
     @staticmethod
     def parse(text: str) -> "LinearShape":
-        return LinearShape(*parse_dims(text, "a fused-linear shape is NxHxV, e.g. 2048x512x32768"))
+        """"NxHxV", or "NxHxV/T" for sequences of T rows (default 512)."""
+        dims, _, seq = text.partition("/")
+        shape = LinearShape(*parse_dims(dims, "a fused-linear shape is NxHxV or NxHxV/T (T rows a sequence), e.g. "
+                                              "2048x512x32768 or 16384x4096x151936/1024"))
+        if seq:
+            if not seq.strip().isdigit() or int(seq) <= 0:
+                raise ValueError(f"the sequence length after '/' must be a positive integer; got {text!r}")
+            shape = LinearShape(shape.tokens, shape.hidden, shape.vocab, int(seq))
+        return shape
 
     @property
     def flops(self) -> int:
@@ -85,9 +95,9 @@ class LinearProblem:
 def make_linear_problem(shape: LinearShape, dtype: torch.dtype, device: str, seed: int = 0) -> LinearProblem:
     """Old log-probs within ~1e-3 of the current ones, so every row gets a gradient."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    seq = min(shape.tokens, SEQ_LEN)
+    seq = min(shape.tokens, shape.seq_len)
     if shape.tokens % seq:
-        raise ValueError(f"N = {shape.tokens} must be a multiple of {SEQ_LEN} (or smaller)")
+        raise ValueError(f"N = {shape.tokens} must be a multiple of the sequence length {shape.seq_len} (or smaller)")
     batch = shape.tokens // seq
     hidden = (torch.randn(batch, seq, shape.hidden, generator=gen, device=device) * 0.5).to(dtype)
     weight = (torch.randn(shape.vocab, shape.hidden, generator=gen, device=device) * 0.05).to(dtype)
@@ -274,8 +284,8 @@ def format_linear(rows, meta) -> str:
                 "-" if mem is None or not base or not base.peak_mem_mib else f"{mem / base.peak_mem_mib:.2f}x",
                 "-" if not ms or not base or not base.median_ms else f"{ms / base.median_ms:.2f}x",
             ])
-        out.append(f"fused linear: N={shape.tokens} H={shape.hidden} V={shape.vocab}, {group[0].dtype}, "
-                   f"{group[0].device}")
+        out.append(f"fused linear: N={shape.tokens} in sequences of {group[0].seq_len} rows, H={shape.hidden} "
+                   f"V={shape.vocab}, {group[0].dtype}, {group[0].device}")
         out.append(format_table(["provider", "FLOPs", *(f"{m} ms" for m in MODES), "GFLOP/s (6NVH)", "peak MiB",
                                  "memory vs materialized", "time vs materialized"], table))
         if skipped:
@@ -286,8 +296,7 @@ def format_linear(rows, meta) -> str:
     out.append("peak MiB: memory beyond the inputs and the gradients returned, during one forward + backward. "
                "GFLOP/s: 6NVH (the materialized path's matmuls) / fwd+bwd time, whatever the contender does "
                "(FLOPs). The base of every ratio: materialized, the lm_head in the inputs' dtype where the "
-               "device multiplies it natively, then gspo_loss. Sequences of "
-               f"{SEQ_LEN} rows (fewer when N is smaller).")
+               "device multiplies it natively, then gspo_loss.")
     if meta.get("timing"):
         out.append(meta["timing"] + ".")
     return "\n".join(out)

@@ -58,9 +58,10 @@ def _eager_loss(logits, targets, old, adv, mask):
 
 
 def compiled_for_timing(fn):
-    """torch.compile of `fn` whose backward can be replayed: the backward timing runs one graph
-    again and again (retain_graph=True), which a compiled backward with donated buffers refuses
-    (seen at N = 16384, V = 151936 on an H200, torch 2.11)."""
+    """torch.compile of `fn` with donated buffers off, as the backward timing ran it when it replayed
+    one graph's backward (retain_graph=True, which a compiled backward with donated buffers refused
+    at N = 16384, V = 151936 on an H200, torch 2.11); each timed backward now has a forward of its
+    own, and the setting stays so that the compiled contender's figures compare with the earlier ones."""
     import torch._functorch.config as functorch_config
 
     functorch_config.donated_buffer = False

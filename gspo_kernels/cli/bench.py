@@ -27,7 +27,7 @@ GPU_SWEEPS = (("16x1024x{}", (32000, 65536, 128256, 151936)), ("{}x1024x151936",
 # Fused linear (NxHxV): N = 2048, H = 512, V = 32768 on a CPU (pass 8192x512x32768 too to see memory
 # flat in N).
 LINEAR_CPU_SHAPES = "2048x512x32768"
-LINEAR_GPU_SHAPES = "16384x4096x151936"
+LINEAR_GPU_SHAPES = "16384x4096x151936/1024"
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -239,7 +239,7 @@ def add_parser(commands) -> None:
     p.add_argument("--json", help="write one row per (provider, shape, mode) to this file")
     p.add_argument("--plot", help="also sweep V and N and draw time and memory to this PNG")
     p.add_argument("--linear", nargs="?", const="default", type=_checked(_linear_shape),
-                   help="fused-linear problems instead (comma-separated NxHxV; default: "
+                   help="fused-linear problems instead (comma-separated NxHxV or NxHxV/T, T rows a sequence, 512 by default; default: "
                         f"{LINEAR_CPU_SHAPES} on CPU, {LINEAR_GPU_SHAPES} on GPU); providers: "
                         f"{', '.join(LINEAR_PROVIDERS)}")
     p.add_argument("--distributed", nargs="?", const="default", type=_checked(_distributed_shape),

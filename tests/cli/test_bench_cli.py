@@ -77,20 +77,27 @@ def test_fused_linear_bench_runs_every_contender(tmp_path, capsys):
     from gspo_kernels.bench.linear import LINEAR_PROVIDERS, LinearShape
 
     assert LinearShape.parse("2048x512x32768").flops == 6 * 2048 * 512 * 32768
+    assert LinearShape.parse("16384x4096x151936/1024").seq_len == 1024
+    assert str(LinearShape.parse("16384x4096x151936/1024")) == "16384x4096x151936/1024"
+    with pytest.raises(ValueError, match="sequence length"):
+        LinearShape.parse("2048x512x32768/0")
     out = tmp_path / "linear.json"
-    code = main(["bench", "--linear", "512x16x300", "--reps", "2", "--budget", "1", "--providers",
-                 "eager,materialized,fused,fused_invariant,cce", "--json", str(out)])
+    code = main(["bench", "--linear", "512x16x300/128", "--reps", "2", "--budget", "1", "--providers",
+                 "eager,materialized,fused,fused_two_pass,fused_invariant,cce", "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     ok = [r for r in rows if r["status"] == "ok"]
-    assert {r["provider"] for r in ok} == {"eager", "materialized", "fused", "fused_invariant"}
+    assert {r["provider"] for r in ok} == {"eager", "materialized", "fused", "fused_two_pass", "fused_invariant"}
     assert all(r["median_ms"] > 0 and r["peak_mem_mib"] is not None and r["hidden"] == 16 for r in ok)
+    assert {r["seq_len"] for r in ok} == {128}
     if not torch.cuda.is_available():
         assert all(r["status"] == "skipped" for r in rows if r["provider"] == "cce")
     table = capsys.readouterr().out
-    assert "fused linear: N=512 H=16 V=300" in table and "memory vs materialized" in table
-    assert set(LINEAR_PROVIDERS) == {"eager", "eager_native", "materialized", "compile", "liger", "cce", "fused",
-                                     "fused_tiles", "fused_invariant", "fused_tiles_invariant"}
+    assert "fused linear: N=512 in sequences of 128 rows, H=16 V=300" in table and "memory vs materialized" in table
+    assert "| fused_two_pass | 8NVH |" in table.replace("  ", " ").replace("  ", " ")
+    assert set(LINEAR_PROVIDERS) == {"eager", "eager_native", "materialized", "materialized_fp32", "compile", "liger",
+                                     "cce", "fused", "fused_two_pass", "fused_tiles", "fused_invariant",
+                                     "fused_tiles_invariant"}
 
 
 @pytest.mark.parametrize("native", [True, False])
