@@ -210,6 +210,11 @@ def run_fused_linear(built: Built) -> list[str]:
         bias=leaves[2], backend=case.backend, **linear, **built.call_kwargs(), **opts))
     grads = _under_test(lambda: _backward(loss, *leaves))
     _check_untouched(failures, built, before)
+    # Which schedule ran (not a reference metric): two passes wherever one is not allowed.
+    one_pass = metrics.pop("fused_linear_one_pass").item()
+    if one_pass not in (0.0, 1.0) or (one_pass and (case.schedule == "two_pass" or case.batch_invariant or case.fused)):
+        failures.append(f"fused_linear_one_pass is {one_pass} with schedule={case.schedule!r}, "
+                        f"batch_invariant={case.batch_invariant}, fused={case.fused}")
 
     refs = [None if t is None else t.detach().double().requires_grad_() for t in leaves]
     logits64 = built.view(refs[0]) @ built.weight_view(refs[1]).t()
