@@ -84,7 +84,7 @@ class OnePassLinearLoss(torch.autograd.Function):
             if not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and bool(grad_loss == 1):
                 out.append(grad if grad.dtype == dtype else grad.to(dtype))
             elif grad.dtype == dtype:
-                out.append(grad.mul_(grad_loss.to(dtype)))
+                out.append(_scale_(grad, grad_loss))
             else:
                 out.append(torch.mul(grad, grad_loss.to(grad.dtype),
                                      out=torch.empty(grad.shape, dtype=dtype, device=grad.device)))
@@ -170,10 +170,26 @@ class _Gradients:
         return d_hidden, self.d_weight, self.d_bias
 
 
+def _scale_(grad: torch.Tensor, scale: torch.Tensor, block_bytes: int = 64 << 20) -> torch.Tensor:
+    """grad *= scale in place, multiplied in float32 for a 16-bit grad (scale rounded to bf16
+    would be off by up to 2^-9: 1/3 becomes 0.33398), a block of rows at a time so that no
+    float32 copy of the whole V x H gradient is made."""
+    if grad.dtype in (torch.float32, torch.float64):
+        return grad.mul_(scale.to(grad.dtype))
+    scale = scale.float()
+    rows = max(1, block_bytes // max(1, 4 * grad[0].numel()))
+    for start in range(0, grad.shape[0], rows):
+        block = grad[start:start + rows]
+        block.copy_(block.float().mul_(scale))
+    return grad
+
+
 def _bad_rows(inputs: GradInputs) -> torch.Tensor:
     """The rows of dz that stage 3 fills with NaN (the row rule): in the loss, and with no finite
     softmax, a bad target or a non-finite upstream gradient. O(rows), where scanning dz for them
-    would read all its logits."""
+    would read all its logits. A row whose inputs are all finite but whose terms overflow float32
+    (an upstream gradient near its largest value) is not among them: its NaN may then reach the
+    row beside it through a CPU's bf16 product (products._cpu_bf16_rows_product)."""
     bad = ~torch.isfinite(inputs.lse) | ~torch.isfinite(inputs.grad_logp)
     if inputs.grad_entropy is not None:
         bad |= ~torch.isfinite(inputs.grad_entropy)

@@ -9,6 +9,7 @@ import torch
 
 from .. import backends
 from ..config import LinearConfig
+from ..distributed.collectives import all_reduce_max
 from ..distributed.vocab_parallel import VocabSlice
 from ..token_stats.kept_set import SamplingFilter
 from ..inputs.checks import LossBatch
@@ -92,6 +93,10 @@ class LinearPlan:
         weight_grad_fp32 = linear.weight_grad_fp32 if linear.weight_grad_fp32 is not None else not products.cpu_bf16
         chunk = linear.chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.device, logit_bytes)
         tp_slice = VocabSlice.of_rank(tp_group, vocab_start, weight.shape[0])
+        if tp_slice is not None and linear.chunk_size is None:
+            # Every rank cuts the same groups and chunks (the one-pass merge is a collective per
+            # group): the smallest default over the ranks, whose vocab slices may differ.
+            chunk = _smallest_over_ranks(chunk, tp_group, hidden.device)
         blocks = None
         if linear.batch_invariant and not linear.fused:  # the tile kernels' shapes are fixed already
             blocks = ProductBlocks.of(hidden.device, hidden.shape[-1])
@@ -125,6 +130,11 @@ class LinearPlan:
         if batch.segments.group is not None:
             return "with cp_group a sequence's other parts are on other ranks"
         return None
+
+
+def _smallest_over_ranks(value: int, group, device: torch.device) -> int:
+    negated = torch.tensor([-value], dtype=torch.int64, device=device)
+    return -int(all_reduce_max(negated, group).item())
 
 
 def _check_fused(resolved_backend: str, device: torch.device) -> None:

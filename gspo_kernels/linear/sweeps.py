@@ -92,7 +92,7 @@ def rows_sweep(backend, saved: SavedPass, chunk: int, need, reduce_hidden_grad: 
         if need_w:
             ops.add_weight_grad(d_weight, dz, hidden[part])
         if need_b:
-            d_bias += dz.sum(0)
+            d_bias += dz.sum(0, dtype=d_bias.dtype)
     return d_hidden, d_weight, d_bias
 
 
@@ -127,7 +127,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
             dz = _block_grad(backend, products, rows_mm, inputs, owned)
             if need_h:
                 products.add_hidden_grad(d_hidden, dz)
-            return (ops.weight_grad(dz, hidden, rows_mm) if need_w else None), (dz.sum(0) if need_b else None)
+            return (ops.weight_grad(dz, hidden, rows_mm) if need_w else None), (dz.sum(0, dtype=ops.accum_dtype) if need_b else None)
         block_width = ops.weight16.shape[0]
         weight_sum = torch.zeros(block_width, weight.shape[1], dtype=ops.accum_dtype, device=weight.device) if need_w else None
         bias_sum = torch.zeros(block_width, dtype=ops.accum_dtype, device=weight.device) if need_b else None
@@ -136,7 +136,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
             if need_w:
                 ops.add_weight_grad(weight_sum, dz, rows_mm[part])
             if need_b:
-                bias_sum += dz.sum(0)
+                bias_sum += dz.sum(0, dtype=bias_sum.dtype)
             if need_h:
                 products.add_hidden_grad(d_hidden[part], dz)
         return weight_sum, bias_sum

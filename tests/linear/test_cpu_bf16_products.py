@@ -94,3 +94,21 @@ def test_plan_counts_bf16_logits_in_its_budget():
     hidden, weight = torch.zeros(4096, 8, dtype=torch.bfloat16), torch.zeros(32768, 8, dtype=torch.bfloat16)
     plan = LinearPlan.of(gk.LinearConfig(), (1.0, 0.0), "torch", hidden, weight)
     assert plan.chunk == 512
+
+
+def test_an_upstream_gradient_scales_in_float32():
+    """A bf16 `d weight` (summed in bf16 here) scaled by the loss's upstream gradient in float32,
+    rounded once (1/3 rounded to bf16 first would be 0.33398)."""
+    hidden, weight, _ = _operands(5, False)
+    problem = make_problem(ProblemSpec(batch=4, seq_len=16, vocab=96, seed=5))
+    args, kwargs = problem.loss_args()
+    kwargs.pop("temperature")
+    grads = []
+    for scale in (1.0, 1.0 / 3.0):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+        loss, metrics = gk.fused_linear_gspo_loss(*leaves, *args[1:], chunk_size=16, **kwargs)
+        assert metrics["fused_linear_one_pass"].item() == 1.0
+        (loss * scale).backward()
+        grads.append(leaves[1].grad)
+    assert grads[0].dtype == torch.bfloat16
+    assert torch.equal(grads[1], (grads[0].float() * torch.tensor(1.0 / 3.0)).bfloat16())
