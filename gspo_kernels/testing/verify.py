@@ -189,12 +189,25 @@ def linear_operands(problem: Problem, hidden_size: int = 24, seed: int = 0):
     return [t.to(dtype).to(device) for t in tensors]
 
 
+def _cpu_bf16_logits(weight: torch.Tensor) -> bool:
+    from ..linear.products import Operands
+    return Operands(weight[:1], None).cpu_bf16
+
+
+def _bf16_product(hidden, weight, bias):
+    """hidden @ weight.T + bias as a CPU's bf16 product rounds it: once, bias included."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    z = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
+    return z.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
 def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weight_grad_fp32=None, fused=False,
                     grad_filter_eps=0.0, batch_invariant=False, **options) -> CaseResult:
     """fused_linear_gspo_loss of `backend` (the Triton tile kernels with fused=True) against the
     materialized float64 reference (hidden @ weight.T + bias in float64, then
-    reference.gspo_loss): the loss, the token log-probs, and the gradients of hidden, weight and
-    bias. `operands` may hold bias None."""
+    reference.gspo_loss; where a CPU's bf16 products make the path's logits, those bf16 values
+    with the exact product's gradient): the loss, the token log-probs, and the gradients of
+    hidden, weight and bias. `operands` may hold bias None."""
     args, kwargs = problem.loss_args()
     kwargs.pop("temperature")
     kwargs.pop("logit_scale", None)
@@ -207,6 +220,10 @@ def run_linear_case(problem: Problem, backend: str, operands, chunk_size=5, weig
     loss.backward()
     refs = [None if t is None else t.detach().double().cpu().requires_grad_() for t in operands]
     logits = refs[0] @ refs[1].t() + (0 if refs[2] is None else refs[2])
+    if not fused and _cpu_bf16_logits(operands[1]):
+        # The path's logits are the CPU's bf16 products (docs/fused_linear.md, "Precision"): the
+        # reference takes those values, with the exact product's gradient.
+        logits = _bf16_product(*operands).double() + (logits - logits.detach())
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     ref_loss, ref_metrics = reference.gspo_loss(logits, *[a.cpu() for a in args[1:]], **cpu, **options)
     ref_loss.backward()
