@@ -146,9 +146,8 @@ class _Gradients:
         self.any = any(need)
         self.hidden, self.ops, self.plan = hidden, ops, plan
         self.d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype, device=hidden.device) if need_h else None
-        low_precision = not plan.weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
         # The first group writes it (no zero fill: a fresh buffer's pages are mapped once).
-        self.d_weight = torch.empty(weight.shape, dtype=weight.dtype if low_precision else ops.accum_dtype,
+        self.d_weight = torch.empty(weight.shape, dtype=ops.weight_grad_dtype(plan.weight_grad_fp32),
                                     device=weight.device) if need_w else None
         self.first = True
         self.d_bias = torch.zeros(weight.shape[0], dtype=ops.accum_dtype, device=weight.device) if need_b else None

@@ -218,6 +218,12 @@ class Operands:
     def logits_dtype(self) -> torch.dtype:
         return self.weight16.dtype if self.cpu_bf16 else self.accum_dtype
 
+    def weight_grad_dtype(self, weight_grad_fp32: bool) -> torch.dtype:
+        """The dtype `d weight` is summed in over chunks or groups: the accumulation dtype, or with
+        weight_grad_fp32=False a 16-bit weight's own (half the buffer, one rounding per chunk)."""
+        low_precision = not weight_grad_fp32 and self.dtype in (torch.bfloat16, torch.float16)
+        return self.dtype if low_precision else self.accum_dtype
+
     def _operand(self, dz: torch.Tensor) -> torch.Tensor:
         # Natively, dz is rounded to the weight's 16-bit dtype for the products, as the unfused
         # path's 16-bit logits gradient is; the products still sum in float32.

@@ -74,13 +74,9 @@ def rows_sweep(backend, saved: SavedPass, chunk: int, need, reduce_hidden_grad: 
     if need_h:
         d_hidden = torch.empty(hidden.shape, dtype=ops.accum_dtype if reduce_hidden_grad else hidden.dtype,
                                device=hidden.device)
-    # float32 accumulation by default; weight_grad_fp32=False accumulates in the weight's own
-    # dtype instead (half the buffer for 16-bit weights, one rounding per chunk).
-    low_precision = not weight_grad_fp32 and weight.dtype in (torch.bfloat16, torch.float16)
     d_weight = None
     if need_w:
-        d_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_precision else ops.accum_dtype,
-                               device=weight.device)
+        d_weight = torch.zeros(weight.shape, dtype=ops.weight_grad_dtype(weight_grad_fp32), device=weight.device)
     d_bias = torch.zeros(weight.shape[0], dtype=ops.accum_dtype, device=weight.device) if need_b else None
     rows = hidden.shape[0]
     for start in range(0, rows, chunk):
