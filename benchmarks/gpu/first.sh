@@ -58,8 +58,8 @@ run "the tile kernels (fused=True) against the float64 reference" 1 90 \
     '"$PY" -m pytest tests/linear/test_fused_linear_tiled.py -q -x -p no:cacheprovider 2>&1 | tail -n 3'
 run "compute-sanitizer memcheck, each CUDA op once" 1 90 \
     'compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" benchmarks/gpu/sanitizer_probe.py --once 2>&1 | tee "$OUT/memcheck.txt" | tail -n 4'
-run "forward + backward, N = 2048 and 16384, V = 151936, bf16: ours (plain, soft-capped, top-p) against eager and torch.compile" 1 150 \
-    '"$PY" -m gspo_kernels bench --shapes 2x1024x151936,16x1024x151936 --providers eager,compile,triton,cuda,tx_softcap,tx_top_p --reps 5 --budget 8 --json "$OUT/gpu_bench.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench.txt"'
+run "forward + backward, N = 2048 and 16384, V = 151936, bf16: ours (plain, soft-capped, top-k, top-p, min-p) against eager and torch.compile" 1 200 \
+    '"$PY" -m gspo_kernels bench --shapes 2x1024x151936,16x1024x151936 --providers eager,compile,triton,cuda,tx_softcap,tx_top_k,tx_top_p,tx_min_p --reps 5 --budget 8 --json "$OUT/gpu_bench.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench.txt"'
 run "CUDA-graph replay against eager, N = 2048 and 16384" 1 60 \
     '"$PY" benchmarks/gpu/cuda_graph.py --tokens 2048,16384 --vocab 151936 --backends cuda,triton --reps 10 --json "$OUT/gpu_cuda_graph.json" 2>&1 | tee "$OUT/gpu_cuda_graph.txt" | tail -n 8'
 run "fused linear, N = 16384 in sequences of 1024, H = 4096, V = 151936, bf16: one and two passes, the tiles, Liger and CCE (with .whl) against the materialized path" 1 120 \

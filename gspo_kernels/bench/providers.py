@@ -154,8 +154,8 @@ FAMILY = {
     "obj_gmpo": dict(objective="gmpo", eps_low=0.4, eps_high=0.4),
     "obj_clip_corrected": dict(rollout_correction="sequence-mask", rollout_is_min=0.5, top_entropy_quantile=0.2,
                                off_policy_mask_threshold=0.5, delta=2.0),
-    # The sampler's kept set: a selection pass before the kernels (the cpu backend's own,
-    # csrc/cpu/kept_set.cpp; elsewhere a PyTorch pre-pass that sorts each row for top-p).
+    # The sampler's kept set: a selection pass before the kernels, without a sort (the cpu
+    # backend's csrc/cpu/kept_set.cpp; on a GPU the Triton one, triton/kept_set_kernels.py).
     # Last: on a CPU what ran after the PyTorch pre-pass's sorts ran faster (the cpu backward
     # 44.7 -> 32.2 ms after tx_top_p, 2-core EPYC, 2026-12-04), and only the full suite times them.
     "tx_top_k": dict(sampling_top_k=50),

@@ -14,7 +14,9 @@ have half the gap as a margin. Ties at a
 top-p boundary are all kept (vLLM's sort keeps an arbitrary subset of them). A row that keeps
 every token gets -inf, and the kernels give it bitwise the plain result.
 
-The thresholds come from a pre-pass over the logits in PyTorch, a chunk of rows at a time, in
+The cpu and Triton backends select in kernels of their own (`kept_thresholds` below says which
+takes which). The reference, and the torch backend's selection, is a pre-pass over the logits in
+PyTorch, a chunk of rows at a time, in
 float32 through the same logit map as the kernels (config.kernel_logit_map): it reads each logit
 once more (2 bytes per logit for 16-bit logits) and, for top-p, sorts a float32 copy of the
 chunk (about 20 bytes of scratch per logit of the chunk: the copy, its map, the sorted values
@@ -29,6 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import native_backend
+
+try:
+    from ..backends.triton import kept_set_ops as triton_kept_set
+except ImportError:  # triton is optional where it has no wheels (macOS, Windows)
+    triton_kept_set = None
 from ..backends.contract import mapped_logits_
 
 # Float32 scratch per chunk of rows (the pre-pass holds about five row-sized buffers).
@@ -102,12 +109,15 @@ def kept_thresholds(logits: torch.Tensor, logit_map: tuple, sampling: SamplingFi
     the sampler keeps, float32, of the rows' shape (contiguous); -inf for a row that keeps every
     token (among them a row with a NaN logit, or a +inf one without a soft-cap, whose results
     are NaN as for any such row); a row with fewer finite logits than top_k keeps them all.
-    The cpu backend selects in its own kernel (csrc/cpu/kept_set.cpp: no sort, no float32 copy
-    of the logits); the other backends take the PyTorch pre-pass below, the reference."""
+    The cpu backend selects in its own kernel (csrc/cpu/kept_set.cpp), the triton backend and
+    the cuda one on CUDA tensors in a Triton kernel (backends/triton/kept_set_kernels.py): no
+    sort, no float32 copy of the logits. The torch backend takes the PyTorch pre-pass below,
+    the reference (and so does the cuda backend where Triton is not installed)."""
+    filters = (sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p, sampling.min_p or 0.0)
     if backend_name == "cpu" and logits.device.type == "cpu":
-        return native_backend.kept_thresholds(
-            logits, *logit_map, sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p,
-            sampling.min_p or 0.0)
+        return native_backend.kept_thresholds(logits, *logit_map, *filters)
+    if triton_kept_set is not None and (backend_name == "triton" or (backend_name == "cuda" and logits.is_cuda)):
+        return triton_kept_set.kept_thresholds(logits, *logit_map, *filters)
     vocab = max(logits.shape[-1], 1)
     chunk = max(1, _CHUNK_BYTES.get(logits.device.type, _CHUNK_BYTES["cuda"]) // (20 * vocab))
     out = torch.empty(logits.shape[:-1].numel(), dtype=torch.float32, device=logits.device)

@@ -38,3 +38,22 @@ def test_triton_inplace_op_refuses_overlapping_rows():
     _, entropy, lse = torch.ops.gspo_kernels.triton_token_stats(logits, targets, 1.0)
     with pytest.raises(ValueError, match="do not share memory"):
         torch.ops.gspo_kernels.triton_logits_grad_(logits, targets, lse, entropy, torch.ones_like(lse), None, None, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck_triton_kept_thresholds(dtype):
+    device = device_for("triton")
+    logits = torch.randn(2, 5, 97, device=device).to(dtype)[:, :-1]  # strided rows
+    for filters in ((3, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (5, 0.9, 0.05)):
+        torch.library.opcheck(torch.ops.gspo_kernels.triton_kept_thresholds.default, (logits, 1.3, 0.0, *filters))
+    torch.library.opcheck(torch.ops.gspo_kernels.triton_kept_thresholds.default, (logits, 0.7, 2.5, 4, 0.9, 0.0))
+
+
+def test_triton_kept_thresholds_refuses_bad_filters():
+    from gspo_kernels.backends.triton import kept_set_ops
+
+    logits = torch.randn(3, 11, device=device_for("triton"))
+    with pytest.raises(ValueError, match="top_p must be > 0"):
+        kept_set_ops.kept_thresholds(logits, 1.0, 0.0, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="min_p <= 1"):
+        kept_set_ops.kept_thresholds(logits, 1.0, 0.0, 0, 1.0, 1.5)

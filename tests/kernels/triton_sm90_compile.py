@@ -54,6 +54,7 @@ def main() -> int:
             )))
     failures = 0
     failures += compile_linear_kernels()
+    failures += compile_kept_set_kernel()
     for dtype, name, k in compiled:
         ptx = k.asm["ptx"]
         wide_loads = "ld.global.v4" in ptx
@@ -129,6 +130,30 @@ def compile_linear_kernels() -> int:
             # unnoticed. Every other kernel spills nothing.
             allowed = 64 if dtype != "bf16" and name.endswith("(invariant)") else 0
             failures += spills > allowed
+    return failures
+
+
+def compile_kept_set_kernel() -> int:
+    """The kept-set selection (kept_set_kernels.py) with every filter, per dtype, at its launch
+    tile: it must build for sm_90 with no register spills."""
+    from gspo_kernels.backends.triton import kept_set_kernels as S
+    from gspo_kernels.backends.triton import kept_set_ops as ops
+
+    failures = 0
+    for dtype, shift in (("bf16", 16), ("fp16", 13), ("fp32", 0)):
+        k = compile_kernel(
+            S.kept_threshold_kernel,
+            {"logits_ptr": f"*{dtype}", "out_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64",
+             "stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32", "top_k": "i32",
+             "top_p_ptr": "*fp64", "log_min_p": "fp32"},
+            {"HAS_SOFTCAP": dtype == "bf16", "HAS_MIN_P": True, "HAS_TOP_K": True, "HAS_TOP_P": True,
+             "KEY_SHIFT": shift, "PIVOTS": ops._PIVOTS, "BLOCK_V": ops._BLOCK_V},
+            aligned=["logits_ptr", "stride_b", "stride_t", "vocab"],
+        )
+        registers, spills = spill_bytes(k.asm["ptx"])
+        print(f"{dtype:5s} {'kept_threshold':38s} sm_90 cubin {len(k.asm['cubin']):6d} B, {registers} registers, "
+              f"spill bytes: {spills}")
+        failures += spills > 0
     return failures
 
 

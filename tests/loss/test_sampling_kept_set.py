@@ -212,48 +212,85 @@ def _float64_kept(rows, logit_map, sampling):
     return reference.sampler_kept(z64, sampling.top_k, sampling.top_p, sampling.min_p, order=x64)
 
 
-@pytest.mark.skipif("cpu" not in BACKENDS, reason="the native extension is not built")
+# The selections that are not the pre-pass: the cpu backend's (csrc/cpu/kept_set.cpp) and the
+# Triton one (backends/triton/kept_set_kernels.py, which the cuda backend also takes on a GPU).
+SELECTIONS = [b for b in ("cpu", "triton") if b in BACKENDS]
+
+
+def _selection_ready(selection):
+    if selection == "triton" and not triton_backend.INTERPRETED:
+        pytest.skip("compiled Triton takes CUDA tensors; these rows are CPU tensors")
+
+
+# The interpreter runs a launch's every op in Python (about 0.4 s a launch of these 12 rows at
+# V = 37, 1.5 s at V = 5003): the Triton selection meets a subset, one vocab inside a block and
+# one over five, each filter kind once and combined, both maps at the small vocab.
+_INTERPRETED = {37: (("contiguous", "sliced"), ((1 / 0.7, 0.0), (1.3, 2.5))), 5003: (("sliced",), ((1.3, 2.5),))}
+
+
+def _subset(selection, vocab, filters, layouts, maps):
+    """The (filters, layouts, maps) a selection meets at this vocab."""
+    from gspo_kernels.token_stats.kept_set import SamplingFilter
+
+    if selection != "triton":
+        return filters, layouts, maps
+    names, maps = _INTERPRETED[vocab]
+    kinds = [f for f in filters if f in (SamplingFilter(5), SamplingFilter(None, 0.95), SamplingFilter(None, None, 0.2),
+                                         SamplingFilter(3, 0.9, 0.05))]  # top-k, top-p, min-p, all three
+    return kinds, [(n, r) for n, r in layouts if n in names], maps
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("vocab", [1, 37, 1000, 5003])
-def test_native_selection_keeps_the_samplers_set(dtype, vocab, seed):
-    """The cpu backend's selection (csrc/cpu/kept_set.cpp, no sort of the row) on every filter and
-    their combinations, with and without a soft-cap, on contiguous and strided rows of every kind:
-    the float64 sampler's kept set in every row. Without a soft-cap the threshold is also the
-    PyTorch pre-pass's (kept_set.py) to the bit; with one, on rows whose capped z are nearly flat,
-    the pre-pass's float32 running sum keeps other tokens at top-p 0.99 than the sampler
+@pytest.mark.parametrize("selection, vocab", [(s, v) for s in SELECTIONS for v in (1, 37, 1000, 5003)
+                                              if s != "triton" or v in _INTERPRETED])
+def test_native_selection_keeps_the_samplers_set(selection, dtype, vocab, seed):
+    """The selections without a sort of the row on every filter and their combinations, with and
+    without a soft-cap, on contiguous and strided rows of every kind: the float64 sampler's kept
+    set in every row. Without a soft-cap the threshold is also the PyTorch pre-pass's
+    (kept_set.py) to the bit; with one, on rows whose capped z are nearly flat, the pre-pass's
+    float32 running sum keeps other tokens at top-p 0.99 than the sampler
     (test_native_top_p_near_one_keeps_the_float64_samplers_set)."""
     from gspo_kernels.token_stats.kept_set import SamplingFilter, kept_thresholds
 
+    _selection_ready(selection)
     gen = torch.Generator().manual_seed(seed % 2**31)
     x = _kept_set_rows(gen, vocab, dtype)
     strided = torch.cat([x, x[:, :1]], 1)[:, :-1]  # row stride vocab + 1
+    blocks = x.reshape(3, 4, vocab)
+    sliced = torch.cat([blocks, blocks[:, :1]], 1)[:, :-1]  # (B, T, V), batch stride 5 * vocab: logits[:, :-1]
     filters = [SamplingFilter(1), SamplingFilter(5), SamplingFilter(None, 0.5), SamplingFilter(None, 0.95),
                SamplingFilter(None, None, 0.2), SamplingFilter(None, 1.0, 0.0), SamplingFilter(3, 0.9, 0.05),
                SamplingFilter(vocab + 3, 0.99, None)]
-    for rows in (x, strided):
-        xf = rows.float()
-        for logit_map in ((1.0, 0.0), (1 / 0.7, 0.0), (1.3, 2.5)):
+    filters, layouts, maps = _subset(selection, vocab, filters,
+                                     [("contiguous", x), ("strided", strided), ("sliced", sliced)],
+                                     ((1.0, 0.0), (1 / 0.7, 0.0), (1.3, 2.5)))
+    for layout, rows in layouts:
+        xf = rows.float().reshape(-1, vocab)
+        for logit_map in maps:
             for sampling in filters:
                 if not sampling.active:
                     continue
-                got = kept_thresholds(rows, logit_map, sampling, "cpu")
-                where = f"{sampling}, map {logit_map}, {'strided' if rows is strided else 'contiguous'}"
+                got = kept_thresholds(rows, logit_map, sampling, selection)
+                assert got.shape == rows.shape[:-1]
+                where = f"{sampling}, map {logit_map}, {layout}"
+                got = got.reshape(-1)
                 kept = (xf >= got[:, None]) | (got == -math.inf)[:, None]  # -inf: every token (NaN ones too)
                 assert torch.equal(kept, _float64_kept(xf, logit_map, sampling)), where
                 if logit_map[1] == 0.0:
-                    assert torch.equal(got, kept_thresholds(rows, logit_map, sampling, "torch")), where
+                    assert torch.equal(got, kept_thresholds(rows, logit_map, sampling, "torch").reshape(-1)), where
 
 
-@pytest.mark.skipif("cpu" not in BACKENDS, reason="the native extension is not built")
-def test_native_top_p_near_one_keeps_the_float64_samplers_set(seed):
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_native_top_p_near_one_keeps_the_float64_samplers_set(selection, seed):
     """top_p = 0.999 on rows whose soft-capped z are nearly flat: the boundary lies where a float32
     running sum of thousands of probabilities is off by more than the masses that decide it, so
     the float32 pre-pass keeps other tokens than the float64 sampler; the native selection sums
     the masses in float64 and keeps the sampler's set."""
     from gspo_kernels.token_stats.kept_set import SamplingFilter, kept_thresholds
 
+    _selection_ready(selection)
     gen = torch.Generator().manual_seed(seed % 2**31)
     x = (torch.randn(6, 5003, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 3.0, 8.0] * 2)[:, None]).float()
     logit_map, sampling = (1.3, 2.5), SamplingFilter(None, 0.999)
-    got = kept_thresholds(x, logit_map, sampling, "cpu")
+    got = kept_thresholds(x, logit_map, sampling, selection)
     assert torch.equal((x >= got[:, None]) | (got == -math.inf)[:, None], _float64_kept(x, logit_map, sampling))
