@@ -27,7 +27,7 @@ import torch
 from .. import backends
 from ..testing import reference
 from ..loss import gspo_loss
-from .problem import EPS_HIGH, EPS_LOW, MODES, BenchProblem
+from .problem import EPS_HIGH, EPS_LOW, BenchProblem
 
 
 def gspo_from_logprobs(logp, old, adv, mask):
@@ -156,15 +156,13 @@ FAMILY = {
                                off_policy_mask_threshold=0.5, delta=2.0),
     # The sampler's kept set: a selection pass before the kernels, without a sort (the cpu
     # backend's csrc/cpu/kept_set.cpp; on a GPU the Triton one, triton/kept_set_kernels.py).
-    # Last: on a CPU what ran after the PyTorch pre-pass's sorts ran faster (the cpu backward
-    # 44.7 -> 32.2 ms after tx_top_p, 2-core EPYC, 2026-12-04), and only the full suite times them.
     "tx_top_k": dict(sampling_top_k=50),
     "tx_top_p": dict(sampling_top_p=0.9),
     "tx_min_p": dict(sampling_min_p=0.1),
 }
-# The PyTorch pre-pass took seconds a call on a CPU (2.1 s and 13 s at N = 4096, V = 32768, one
-# thread), and the main job's quick suite is at its time limit: they stay in the full suite.
-FULL_ONLY_FAMILY = {"tx_top_k", "tx_top_p", "tx_min_p"}
+# The variants' price is their forward + backward against plain GSPO's: the quick suite (the main
+# job) times that mode alone, the full suite each pass too.
+FAMILY_FULL_ONLY_MODES = ("forward", "backward")
 
 
 def _family(options):
@@ -252,7 +250,7 @@ PROVIDERS = {
         Provider("cpu", _ours("cpu"), _ours_available("cpu"), ours=True),
         Provider("cuda", _ours("cuda"), _ours_available("cuda"), ours=True),
     ]
-    + [Provider(name, _family(options), _always, ours=True,
-                full_only_modes=MODES if name in FULL_ONLY_FAMILY else ()) for name, options in FAMILY.items()]
+    + [Provider(name, _family(options), _always, ours=True, full_only_modes=FAMILY_FULL_ONLY_MODES)
+       for name, options in FAMILY.items()]
 }
 BASELINE = "eager"

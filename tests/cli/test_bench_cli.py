@@ -139,13 +139,14 @@ def test_bench_megatron_rows(capsys):
     assert "multiple of 512" in capsys.readouterr().out
 
 
-def test_quick_suite_leaves_the_kept_set_providers_to_the_full_one():
-    # Their PyTorch pre-pass takes seconds a call on a CPU: the main job (quick) neither times
-    # nor builds them; the full suite does both, and keeps the transforms' cheap providers.
+def test_quick_suite_times_the_variants_forward_and_backward_together():
+    # The main job (quick) times each variant's fwd+bwd, the price against plain GSPO; the full
+    # suite each pass too. Plain providers keep every mode in both.
     from gspo_kernels.bench.problem import Shape
     from gspo_kernels.bench.runner import SuiteConfig, steps_in
 
     shape = (Shape.parse("1x8x16"),)
-    for quick, want in ((True, 0), (False, 4)):
-        assert steps_in(SuiteConfig(shapes=shape, providers=("tx_top_k",), quick=quick, device="cpu")) == want
-    assert steps_in(SuiteConfig(shapes=shape, providers=("tx_softcap",), quick=True, device="cpu")) == 4
+    for name in ("tx_top_k", "tx_top_p", "tx_min_p", "tx_softcap", "obj_cispo"):
+        assert [steps_in(SuiteConfig(shapes=shape, providers=(name,), quick=quick, device="cpu"))
+                for quick in (True, False)] == [2, 4], name
+    assert steps_in(SuiteConfig(shapes=shape, providers=("eager",), quick=True, device="cpu")) == 4
