@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # The one prepared GPU run, with that machine's own python3 (torch 2.11, triton 3.6, nvcc 13.0);
-# its run time is unmeasured (docs/performance.md, "Unmeasured"). Builds the extension from
+# its "first" part took 215 s on an H200 (2026-12-04, benchmarks/RESULTS.md), the other parts'
+# run times are unmeasured (docs/performance.md, "Unmeasured"). Builds the extension from
 # source, checks the cuda and triton backends against the float64 reference (fp32/bf16/fp16,
 # padded and packed, V = 1000 and V = 151936), runs compute-sanitizer memcheck over every CUDA
 # kernel variant, runs the test suite on the GPU, and benchmarks forward + backward at
 # N = 16384, V = 151936, bf16 against the byte floor, and the fused-linear loss at N = 16384,
 # H = 4096, V = 151936; runs the distributed code paths on NCCL in a group of one GPU. Logs and
-# JSON go to $OUT (a device run brings them back).
+# JSON go to $OUT (the run brings them back).
 #
-#   device run:  bash benchmarks/gpu/check.sh [first|check|bench|invariant|all]   (default all)
-# "first" (benchmarks/gpu/first.sh) is the one to run first on a lent GPU: the headline truth
-# in at most 9 minutes, each step under its own timeout. The others each fit one call of at most
-# 9 minutes with the prebuilt extension (carry .prebuilt: benchmarks/gpu/prebuild.sh; without it
-# the build takes minutes of the call); "all" passes 600 s: never as one call.
-#   optional:    carry .whl with liger_kernel's wheel to benchmark Liger too (see RESULTS.md)
+#   on a GPU:    bash benchmarks/gpu/check.sh [first|check|bench|invariant|all]   (default all)
+# "first" (benchmarks/gpu/first.sh) is the one to run first on a GPU: the headline truth
+# in at most 9 minutes, each step under its own timeout. The others are each meant to fit one run
+# of at most 9 minutes with the prebuilt extension (.prebuilt/ beside the tree:
+# benchmarks/gpu/prebuild.sh; without it the build takes minutes of the run); "all" takes over
+# 600 s: run the parts one by one.
+#   optional:    liger_kernel's wheel in .whl/ beside the tree, to benchmark Liger too (RESULTS.md)
 #   trainers:    the "check" part's trainer step needs TRL, verl and what they import, which that
 #                machine lacks: here, `bash benchmarks/gpu/wheels.sh` (fills the git-ignored .whl/,
-#                about 30 MiB of the 64 MiB that travels), then run with carry [".whl"]; without
+#                about 30 MiB), then run with .whl/ beside the tree on the GPU machine; without
 #                them the step prints SKIPPED and the rest still runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# `check.sh first`: the first GPU truth in one device call of at most 9 minutes. Each step runs
+# `check.sh first`: the first GPU truth in one run of at most 9 minutes. Each step runs
 # under its own timeout, cut to what is left of the part's budget (FIRST_BUDGET, default 530 s),
 # so a failing or slow step does not stop the rest; every step prints its command, its status and
 # its time. On a machine without a GPU (a rehearsal) the GPU steps print SKIPPED; a step whose own
-# output says SKIPPED (a missing input) is recorded as skipped, not ok. The call exits 1 when a
+# output says SKIPPED (a missing input) is recorded as skipped, not ok. The run exits 1 when a
 # step failed or timed out, 0 otherwise (skipped steps do not fail it). The summary
 # (summary.json, summary.md) goes to $OUT; benchmarks/gpu/summarize.py --append adds summary.md
 # to benchmarks/RESULTS.md with the date and the GPU.
 #
-#   device run:  bash benchmarks/gpu/check.sh first      carry [".prebuilt", ".whl"], timeout_s ~570
+#   on a GPU:    bash benchmarks/gpu/check.sh first      with .prebuilt/ and .whl/ beside the tree, ~570 s limit
 #   rehearsal:   bash benchmarks/gpu/check.sh first      (here: the GPU steps are skipped)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -81,9 +81,9 @@ run "Megatron-Core against ours, N = 16384, V = 151936, bf16 (needs .whl)" 1 120
 "$PY" benchmarks/gpu/summarize.py "$OUT" > "$OUT/summary.md" && head -n 24 "$OUT/summary.md"  # every step's row
 echo "first: done in $SECONDS s; steps:"
 column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
-# The call fails when a step failed or timed out; skipped steps (no GPU, no budget left) do not fail it.
+# The run fails when a step failed or timed out; skipped steps (no GPU, no budget left) do not fail it.
 FAILED_STEPS="$(awk -F'\t' '$2 ~ /^(failed|timed out)/ {print "  " $1 ": " $2}' "$STEPS")"
-# A device run brings back at most 8 files: everything but the summary travels in one archive.
+# A run brings back at most 8 files: everything but the summary travels in one archive.
 # (The archive is written outside $OUT first: tar fails on an archive that grows inside the folder it reads.)
 ARCHIVE="$(mktemp -d)/first_logs.tgz"
 tar czf "$ARCHIVE" -C "$OUT" --exclude summary.md --exclude summary.json . \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the _C extension here for the GPU machine's image (Python 3.12, torch 2.11 cu130, sm_90),
-# so that a lent GPU's minutes go to checks, not to nvcc. Writes .prebuilt/ (git-ignored; it
-# travels with the working tree when named in the device run's carry):
+# so that a GPU run's minutes go to checks, not to nvcc. Writes .prebuilt/ (git-ignored; copy
+# it beside the working tree on the GPU machine):
 #
 #   .prebuilt/_C.cpython-312-x86_64-linux-gnu.so    the extension (CPU part at AVX2: the GPU
 #                                                    machine's CPU is not known here)
