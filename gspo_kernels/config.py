@@ -11,6 +11,8 @@ import difflib
 import math
 from dataclasses import dataclass, fields
 
+from .logit_map import LogitMap
+
 LEVELS = ("sequence", "sequence_token", "token")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 OBJECTIVES = ("clip", "cispo", "sapo", "gmpo", "vespo")
@@ -95,24 +97,6 @@ def check_sampling(top_k, top_p, min_p) -> None:
         raise ValueError(f"sampling_top_p must be in (0, 1] or None; got {top_p!r}")
     if min_p is not None and not 0.0 <= _real("sampling_min_p", min_p) <= 1.0:
         raise ValueError(f"sampling_min_p must be in [0, 1] or None; got {min_p!r}")
-
-
-def _in_range(name: str, value: float) -> float:
-    if not 0.0 < value < math.inf:
-        raise ValueError(f"{name} = {value} is outside float range")
-    return value
-
-
-def kernel_logit_map(temperature: float, logit_scale: float = 1.0, logit_softcap: float | None = None):
-    """(inv_temperature, softcap) as the kernels take them: the softmax is taken of
-    softcap * tanh(inv_temperature * x) when softcap > 0, else of inv_temperature * x. That is
-    softcap_c(x * logit_scale) / temperature, softcap_c(y) = c * tanh(y / c): the model's scale,
-    then its soft-cap, then the trainer's temperature, as the models and trainers apply them."""
-    if logit_softcap is None:
-        divisor = _in_range("temperature / logit_scale", temperature / logit_scale)
-        return 1.0 / divisor, 0.0
-    return (_in_range("logit_scale / logit_softcap", logit_scale / logit_softcap),
-            _in_range("logit_softcap / temperature", logit_softcap / temperature))
 
 
 def check_backend(value) -> str:
@@ -209,6 +193,12 @@ class GSPOConfig(_NamedOptions):
             raise ValueError(f"max_len must be a positive int or None; got {self.max_len!r}")
         _bool("inplace", self.inplace)
         self._check_family()
+
+    @property
+    def logit_map(self) -> LogitMap:
+        """The kernels' map of temperature, logit_scale and logit_softcap (a ratio outside float
+        range is refused when a call asks for it)."""
+        return LogitMap.of(self.temperature, self.logit_scale, self.logit_softcap)
 
     def _check_family(self) -> None:
         _choice("objective", self.objective, OBJECTIVES)

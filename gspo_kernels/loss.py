@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .config import GSPOConfig, kernel_logit_map, resolve_config
+from .config import GSPOConfig, resolve_config
 from .distributed.vocab_parallel import VocabSlice
 from .inputs.checks import CallInputs, TokenLayout, prepare_batch
 from .sequence.gspo_objective import gspo_objective
@@ -18,7 +18,7 @@ def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs,
     batch = prepare_batch(config, TokenLayout.of_logits(logits), target_ids, old_logprobs, advantages, call)
     tp_slice = VocabSlice.of_rank(call.tp_group, call.vocab_start, logits.shape[-1])
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
-    logit_map = kernel_logit_map(config.temperature, config.logit_scale, config.logit_softcap)
+    logit_map = config.logit_map
     logp, entropy = token_stats(logits, batch.targets, logit_map, backend_name, config.inplace,
                                 batch.row_mask, tp_slice, SamplingFilter.of(config), call.sampling_threshold)
     return gspo_objective(config, batch, logp, entropy)

@@ -14,6 +14,7 @@ import time
 import torch
 
 import gspo_kernels as gk
+from gspo_kernels.logit_map import LogitMap
 from gspo_kernels.token_stats.kept_set import SamplingFilter, kept_thresholds
 
 FILTERS = {"top_k=50": SamplingFilter(50), "top_p=0.9": SamplingFilter(None, 0.9),
@@ -48,7 +49,7 @@ def main() -> None:
         times = {"torch": [], "cpu": []}
         for order in (("torch", "cpu"), ("cpu", "torch")):  # interleaved, each order once
             for backend in order:
-                times[backend].append(_ms(lambda b=backend: kept_thresholds(logits, (1.0, 0.0), sampling, b),
+                times[backend].append(_ms(lambda b=backend: kept_thresholds(logits, LogitMap(), sampling, b),
                                           args.reps))
         pre, ours = statistics.median(times["torch"]), statistics.median(times["cpu"])
         print(f"| {name} | {pre:.0f} | {ours:.1f} | {pre / ours:.1f}x | {ours / plain:.2f}x |")

@@ -3,13 +3,13 @@
 Every backend module exposes the same three functions over logits of shape `[B, T, V]` or
 `[N, V]` (leading dims may be strided views; the vocab dim must be the unit-stride one):
 
-    token_stats(logits, targets, inv_temperature, softcap=0.0, kept_min=None) -> (logp, entropy, lse)
+    token_stats(logits, targets, logit_map, kept_min=None) -> (logp, entropy, lse)
                                  fp32, of the targets' shape
     logits_grad(logits, inputs: GradInputs) -> new tensor like logits
     logits_grad_(logits, inputs: GradInputs) -> logits, with the gradient written into its
                                  storage (only for logits that layout.writable_in_place accepts)
 
-(inv_temperature, softcap) is the logit map and kept_min the sampler's kept set that GradInputs
+logit_map (logit_map.LogitMap) is the map and kept_min the sampler's kept set that GradInputs
 (contract.py) describes. `targets`
 is a contiguous int64 tensor with one element a row: `[N]`, or the token shape `(B, T)` (then
 the outputs have that shape too, and no caller needs a view). A target outside [0, V) gives

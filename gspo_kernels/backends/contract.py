@@ -10,37 +10,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ..logit_map import LogitMap
+
 # Log-probabilities below this are probability 0 even in float32; clamping there changes no
 # value but keeps 0 * -inf (a -inf logit) out of the products. The one Python constant: the
 # Triton kernels take it as a constexpr (triton/common.py), C++ has csrc/gspo_math.h kLogFloor.
 LOG_FLOOR = -200.0
 
 
-def mapped_logits_(x: torch.Tensor, inv_temperature: float, softcap: float) -> torch.Tensor:
-    """The kernels' logit map, in place on a float tensor x: z = inv_temperature * x, then
-    softcap * tanh(z) when softcap > 0."""
-    x.mul_(inv_temperature)
-    return x.tanh_().mul_(softcap) if softcap > 0.0 else x
-
-
-def logit_slope(z: torch.Tensor, inv_temperature: float, softcap: float):
-    """dz/dx of the logit map, from z: inv_temperature * softcap * (1 - t^2), t = z / softcap,
-    with a soft-cap (exactly 0 where z saturates at +-softcap, as in float64: an infinite input
-    times it stays NaN), else the float inv_temperature."""
-    if softcap > 0.0:
-        t = z / softcap
-        return (1.0 - t * t) * (inv_temperature * softcap)
-    return inv_temperature
-
-
 @dataclass(frozen=True)
 class GradInputs:
     """Per-row tensors (float32 unless noted), contiguous, one element per logits row: `[N]` or
-    the token shape `(B, T)`, all alike; and the logit map of one backward pass: the softmax is
-    of z = softcap * tanh(inv_temperature * x) when softcap > 0, else of z = inv_temperature * x
-    (config.kernel_logit_map), and dz/dx = inv_temperature * softcap * (1 - (z / softcap)^2) or
-    inv_temperature. kept_min (float32 per row, or None): the sampler's kept set, the raw
-    logits x >= kept_min of the row (token_stats/kept_set.py); the others are -inf after the
+    the token shape `(B, T)`, all alike; and the logit map of one backward pass (logit_map.py:
+    the softmax is of z = map(x), and each logit's gradient is taken times dz/dx). kept_min
+    (float32 per row, or None): the sampler's kept set, the raw logits x >= kept_min of the row (token_stats/kept_set.py); the others are -inf after the
     map (probability 0, no gradient), and a target outside it gets a -inf log-prob and no
     one-hot term.
 
@@ -56,8 +39,7 @@ class GradInputs:
     grad_logp: torch.Tensor
     grad_entropy: torch.Tensor | None  # None: no entropy term
     row_mask: torch.Tensor | None  # bool; None: every row is in the loss
-    inv_temperature: float
-    softcap: float = 0.0  # 0: no soft-cap
+    logit_map: LogitMap
     kept_min: torch.Tensor | None = None  # the sampler's kept set per row; None: every token
 
     def as_rows(self) -> "GradInputs":
@@ -65,17 +47,25 @@ class GradInputs:
         def flat(t):
             return None if t is None else t.reshape(-1)
         return GradInputs(flat(self.targets), flat(self.lse), flat(self.entropy), flat(self.grad_logp),
-                          flat(self.grad_entropy), flat(self.row_mask), self.inv_temperature,
-                          self.softcap, flat(self.kept_min))
+                          flat(self.grad_entropy), flat(self.row_mask), self.logit_map,
+                          flat(self.kept_min))
 
     def rows(self, part: slice) -> "GradInputs":
         """The same inputs for a slice of the `[N]` rows (a chunk)."""
         return GradInputs(self.targets[part], self.lse[part], self.entropy[part], self.grad_logp[part],
                           None if self.grad_entropy is None else self.grad_entropy[part],
-                          None if self.row_mask is None else self.row_mask[part], self.inv_temperature,
-                          self.softcap, None if self.kept_min is None else self.kept_min[part])
+                          None if self.row_mask is None else self.row_mask[part], self.logit_map,
+                          None if self.kept_min is None else self.kept_min[part])
 
-    def op_args(self) -> tuple:
-        """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp)."""
-        return (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
-                self.inv_temperature, self.softcap, self.kept_min)
+    def op_args(self, kept_set: bool = True) -> tuple:
+        """The arguments after `logits`, in the order of the ops' schemas (csrc/ops.cpp, the
+        Triton launchers): OP_ARG_NAMES, which tests/kernels/test_contract.py holds against
+        every schema. kept_set=False leaves out kept_min (the tile kernels take none)."""
+        args = (self.targets, self.lse, self.entropy, self.grad_logp, self.grad_entropy, self.row_mask,
+                *self.logit_map.op_args())
+        return (*args, self.kept_min) if kept_set else args
+
+
+# The names of op_args()' values, in order: the schemas' argument names after `logits`.
+OP_ARG_NAMES = ("targets", "lse", "entropy", "grad_logp", "grad_entropy", "row_mask", *LogitMap.OP_ARG_NAMES,
+                "kept_min")

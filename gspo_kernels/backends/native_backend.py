@@ -56,15 +56,15 @@ if _C is not None:
         return None
 
 
-def token_stats(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
-    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, inv_temperature, softcap,
+def token_stats(logits, targets, logit_map, kept_min=None):
+    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, *logit_map.op_args(),
                                               kept_min)
 
 
-def kept_thresholds(logits, inv_temperature, softcap, top_k, top_p, min_p):
+def kept_thresholds(logits, logit_map, top_k, top_p, min_p):
     """The sampler's kept set as per-row thresholds on the raw logits (CPU tensors; top_k 0,
     top_p 1.0 and min_p 0.0 for a filter not applied): csrc/cpu/kept_set.cpp."""
-    return torch.ops.gspo_kernels.kept_thresholds(with_unit_vocab_stride(logits), inv_temperature, softcap, top_k,
+    return torch.ops.gspo_kernels.kept_thresholds(with_unit_vocab_stride(logits), *logit_map.op_args(), top_k,
                                                   top_p, min_p)
 
 

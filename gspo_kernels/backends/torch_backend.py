@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from .contract import LOG_FLOOR, GradInputs, logit_slope, mapped_logits_
+from ..logit_map import LogitMap
+from .contract import LOG_FLOOR, GradInputs
 
 
-def _scaled_rows(logits: torch.Tensor, inv_temperature: float, softcap: float) -> torch.Tensor:
+def _scaled_rows(logits: torch.Tensor, logit_map: LogitMap) -> torch.Tensor:
     """A fresh float32 (or float64) copy of the logits as `[N, V]`, through the logit map."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     rows = logits.reshape(-1, logits.shape[-1]).to(dtype, copy=True)
-    return mapped_logits_(rows, inv_temperature, softcap)
+    return logit_map.apply_(rows)
 
 
 def _valid(targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -33,12 +34,11 @@ def _outside_kept(logits: torch.Tensor, kept_min: torch.Tensor | None):
     return rows.to(kept_min.dtype) < kept_min.reshape(-1, 1)
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0,
-                kept_min: torch.Tensor | None = None):
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, logit_map: LogitMap, kept_min: torch.Tensor | None = None):
     """Returns (logp, entropy, lse), each float32 (float64 for float64 logits) of the targets'
     shape."""
     shape, targets = targets.shape, targets.reshape(-1)
-    z = _scaled_rows(logits, inv_temperature, softcap)
+    z = _scaled_rows(logits, logit_map)
     outside = _outside_kept(logits, kept_min)
     if outside is not None:
         z.masked_fill_(outside, float("-inf"))
@@ -62,8 +62,8 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: fl
 def _grad_rows(logits, inputs: GradInputs):
     inputs = inputs.as_rows()
     lse, entropy, targets = inputs.lse, inputs.entropy, inputs.targets
-    z = _scaled_rows(logits, inputs.inv_temperature, inputs.softcap)
-    slope = logit_slope(z, inputs.inv_temperature, inputs.softcap)  # before z becomes log p in place
+    z = _scaled_rows(logits, inputs.logit_map)
+    slope = inputs.logit_map.slope(z)  # before z becomes log p in place
     outside = _outside_kept(logits, inputs.kept_min)
     if outside is not None:
         z.masked_fill_(outside, float("-inf"))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..config import (LinearConfig, check_backend, check_logit_scale, check_logit_softcap, check_sampling,
-                      check_temperature, kernel_logit_map, resolve_config, split_linear_options)
+                      check_temperature, resolve_config, split_linear_options)
 from ..token_stats.kept_set import SamplingFilter
 from ..inputs.checks import CallInputs, TokenLayout, check_mask, check_targets, prepare_batch
+from ..logit_map import LogitMap
 from ..sequence.gspo_objective import gspo_objective
 from .chunked import FusedLinearTokenStats
 from .one_pass import OnePassLoss, one_pass_loss
@@ -86,8 +87,7 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
                       normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group, tp_group=tp_group,
                       vocab_start=vocab_start)
     batch = prepare_batch(config, layout, target_ids, old_logprobs, advantages, call)
-    logit_map = kernel_logit_map(config.temperature, config.logit_scale, config.logit_softcap)
-    plan = LinearPlan.of(linear, logit_map, config.backend, rows, weight, tp_group, vocab_start,
+    plan = LinearPlan.of(linear, config.logit_map, config.backend, rows, weight, tp_group, vocab_start,
                          SamplingFilter.of(config))
     groups = plan.schedule(config, batch)
     if groups is not None:
@@ -112,8 +112,8 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     in fused_linear_gspo_loss; the sampling options as in selective_log_softmax (chunked path only)."""
     linear = resolve_config(linear, linear_options, LinearConfig)
     check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
-    logit_map = kernel_logit_map(check_temperature(temperature), check_logit_scale(logit_scale),
-                                 check_logit_softcap(logit_softcap))
+    logit_map = LogitMap.of(check_temperature(temperature), check_logit_scale(logit_scale),
+                            check_logit_softcap(logit_softcap))
     check_backend(backend)
     rows = _check_linear(hidden, weight, bias)
     layout = TokenLayout(hidden.shape[:-1], hidden.device)

@@ -49,11 +49,9 @@ class FusedLinearTokenStats(torch.autograd.Function):
             else:
                 logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
             if kept_min is not None:  # the sampler's kept set, from this chunk's logits
-                kept_min[part] = kept_thresholds(logits, (plan.inv_temperature, plan.softcap), plan.sampling,
-                                                 plan.backend_name)
-            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.inv_temperature,
-                                                                             plan.softcap,
-                                                                             None if kept_min is None else kept_min[part])
+                kept_min[part] = kept_thresholds(logits, plan.logit_map, plan.sampling, plan.backend_name)
+            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.logit_map,
+                                                                       None if kept_min is None else kept_min[part])
         if plan.tp_slice is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
             logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
@@ -75,8 +73,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3])
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         saved = SavedPass(hidden, weight, bias, owned,
-                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature,
-                                     plan.softcap, kept_min))
+                          GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.logit_map,
+                                     kept_min))
         reduce_hidden_grad = plan.reduce_hidden_grad
         fp32 = plan.weight_grad_fp32
         if plan.blocks is not None:  # one sweep whatever N is: a row's d hidden must not follow it

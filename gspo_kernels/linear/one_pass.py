@@ -116,8 +116,8 @@ def _run(hidden, weight, bias, plan: LinearPlan, job: OnePassLoss, need):
         logits = ops.logits(hidden[part], None if buffer is None else buffer[:part.stop - part.start])
         kept_min = None
         if plan.sampling is not None:  # the sampler's kept set, from this group's logits
-            kept_min = kept_thresholds(logits, (plan.inv_temperature, plan.softcap), plan.sampling, plan.backend_name)
-        lp, ent, lse = backend.token_stats(logits, targets[part], plan.inv_temperature, plan.softcap, kept_min)
+            kept_min = kept_thresholds(logits, plan.logit_map, plan.sampling, plan.backend_name)
+        lp, ent, lse = backend.token_stats(logits, targets[part], plan.logit_map, kept_min)
         if plan.tp_slice is not None:  # two collectives per group, O(rows)
             lp, ent, lse = plan.tp_slice.merge(lp, ent, lse, owned[part])
         else:
@@ -130,7 +130,7 @@ def _run(hidden, weight, bias, plan: LinearPlan, job: OnePassLoss, need):
                                      group_aggregation(aggregation, group.seqs))
         grad_logp, grad_entropy = upstream_grads(g, h, lse)
         inputs = GradInputs(targets[part], lse, ent, grad_logp, grad_entropy,
-                            None if row_mask is None else row_mask[part], plan.inv_temperature, plan.softcap, kept_min)
+                            None if row_mask is None else row_mask[part], plan.logit_map, kept_min)
         dz = slice_logits_grad(backend, logits, inputs, None if owned is None else owned[part], in_place=True)
         grads.add(part, dz, inputs)
     loss, job.metrics = gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))

@@ -9,6 +9,7 @@ import torch
 
 from .. import backends
 from ..config import LinearConfig
+from ..logit_map import LogitMap
 from ..distributed.collectives import all_reduce_max
 from ..distributed.vocab_parallel import VocabSlice
 from ..token_stats.kept_set import SamplingFilter
@@ -55,8 +56,7 @@ class LinearPlan:
     """One call's plan: the validated LinearConfig and what it resolved to for these tensors."""
 
     linear: LinearConfig
-    inv_temperature: float  # with softcap: the kernels' logit map (config.kernel_logit_map)
-    softcap: float
+    logit_map: LogitMap
     backend_name: str  # resolved; "triton" whenever linear.fused
     chunk: int  # rows per chunk of the chunked path
     tp_slice: VocabSlice | None = None  # vocab-parallel: the weight holds this rank's vocab slice
@@ -70,7 +70,7 @@ class LinearPlan:
         return self.tp_slice is not None and self.linear.reduce_hidden_grad
 
     @staticmethod
-    def of(linear: LinearConfig, logit_map: tuple, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
+    def of(linear: LinearConfig, logit_map: LogitMap, backend: str, hidden: torch.Tensor, weight: torch.Tensor,
            tp_group=None, vocab_start=None, sampling: SamplingFilter | None = None) -> "LinearPlan":
         """hidden: the `[N, H]` rows; weight: `[V, H]` (this rank's slice with tp_group)."""
         sampling = sampling if sampling is not None and sampling.active else None
@@ -101,7 +101,7 @@ class LinearPlan:
         if linear.batch_invariant and not linear.fused:  # the tile kernels' shapes are fixed already
             blocks = ProductBlocks.of(hidden.device, hidden.shape[-1])
             chunk = blocks.round_chunk(chunk)
-        return LinearPlan(linear, *logit_map, resolved, chunk, tp_slice, blocks, sampling, weight_grad_fp32)
+        return LinearPlan(linear, logit_map, resolved, chunk, tp_slice, blocks, sampling, weight_grad_fp32)
 
     def schedule(self, config, batch: LossBatch) -> list[SequenceGroup] | None:
         """The loss's schedule: its groups of whole sequences for one pass, or None for two

@@ -31,8 +31,7 @@ class TiledLinearTokenStats(torch.autograd.Function):
         else:
             local, owned = tp_slice.local_targets(targets)
             kernel_targets = torch.where(owned, local, torch.full_like(local, -1))  # -1: no one-hot here
-        logp, entropy, lse = triton_tiles.token_stats(hidden, weight, bias, kernel_targets, plan.inv_temperature,
-                                                       plan.softcap)
+        logp, entropy, lse = triton_tiles.token_stats(hidden, weight, bias, kernel_targets, plan.logit_map)
         if tp_slice is not None:
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner
         else:
@@ -51,8 +50,7 @@ class TiledLinearTokenStats(torch.autograd.Function):
             return (None, None, None) + none
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         need = tuple(ctx.needs_input_grad[:3])
-        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.inv_temperature,
-                            plan.softcap)
+        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, plan.logit_map)
         g = backends.triton_tiles.grads(hidden, weight, bias, inputs, need, plan.linear.grad_filter_eps,
                                         plan.linear.batch_invariant)
         d_hidden = g.hidden

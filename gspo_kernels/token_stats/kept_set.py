@@ -17,7 +17,7 @@ every token gets -inf, and the kernels give it bitwise the plain result.
 The cpu and Triton backends select in kernels of their own (`kept_thresholds` below says which
 takes which). The reference, and the torch backend's selection, is a pre-pass over the logits in
 PyTorch, a chunk of rows at a time, in
-float32 through the same logit map as the kernels (config.kernel_logit_map): it reads each logit
+float32 through the same logit map as the kernels (logit_map.LogitMap): it reads each logit
 once more (2 bytes per logit for 16-bit logits) and, for top-p, sorts a float32 copy of the
 chunk (about 20 bytes of scratch per logit of the chunk: the copy, its map, the sorted values
 and their int64 indices); top-k alone takes torch.topk, min-p alone one max and one compare.
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import native_backend
+from ..logit_map import LogitMap
 
 try:
     from ..backends.triton import kept_set_ops as triton_kept_set
 except ImportError:  # triton is optional where it has no wheels (macOS, Windows)
     triton_kept_set = None
-from ..backends.contract import mapped_logits_
 
 # Float32 scratch per chunk of rows (the pre-pass holds about five row-sized buffers).
 _CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 512 << 20}
@@ -61,9 +61,9 @@ class SamplingFilter:
         return SamplingFilter(config.sampling_top_k, config.sampling_top_p, config.sampling_min_p)
 
 
-def _chunk_thresholds(x: torch.Tensor, logit_map: tuple, sampling: SamplingFilter) -> torch.Tensor:
+def _chunk_thresholds(x: torch.Tensor, logit_map: LogitMap, sampling: SamplingFilter) -> torch.Tensor:
     """Thresholds of rows x `[C, V]` (float32, a copy this function may overwrite)."""
-    z = mapped_logits_(x.clone(), *logit_map)
+    z = logit_map.apply_(x.clone())
     keep = torch.ones_like(z, dtype=torch.bool)
     if sampling.min_p is not None and sampling.min_p > 0.0:
         keep &= z >= z.amax(-1, keepdim=True) + math.log(sampling.min_p)
@@ -103,7 +103,7 @@ def _row_blocks(logits: torch.Tensor, chunk: int):
             yield b * seq + t, logits[b, t:t + chunk]
 
 
-def kept_thresholds(logits: torch.Tensor, logit_map: tuple, sampling: SamplingFilter,
+def kept_thresholds(logits: torch.Tensor, logit_map: LogitMap, sampling: SamplingFilter,
                     backend_name: str = "torch") -> torch.Tensor:
     """Per row of logits `(B, T, V)` or `(N, V)`: the threshold on the raw logits of the tokens
     the sampler keeps, float32, of the rows' shape (contiguous); -inf for a row that keeps every
@@ -115,9 +115,9 @@ def kept_thresholds(logits: torch.Tensor, logit_map: tuple, sampling: SamplingFi
     the reference (and so does the cuda backend where Triton is not installed)."""
     filters = (sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p, sampling.min_p or 0.0)
     if backend_name == "cpu" and logits.device.type == "cpu":
-        return native_backend.kept_thresholds(logits, *logit_map, *filters)
+        return native_backend.kept_thresholds(logits, logit_map, *filters)
     if triton_kept_set is not None and (backend_name == "triton" or (backend_name == "cuda" and logits.is_cuda)):
-        return triton_kept_set.kept_thresholds(logits, *logit_map, *filters)
+        return triton_kept_set.kept_thresholds(logits, logit_map, *filters)
     vocab = max(logits.shape[-1], 1)
     chunk = max(1, _CHUNK_BYTES.get(logits.device.type, _CHUNK_BYTES["cuda"]) // (20 * vocab))
     out = torch.empty(logits.shape[:-1].numel(), dtype=torch.float32, device=logits.device)
@@ -126,6 +126,6 @@ def kept_thresholds(logits: torch.Tensor, logit_map: tuple, sampling: SamplingFi
         thresholds = _chunk_thresholds(part, logit_map, sampling)
         # A row without a finite softmax keeps every token (-inf), so it stays NaN as documented
         # (a +inf logit only without a soft-cap: a soft-capped one is finite).
-        no_softmax = torch.isnan(part).any(-1) | ((part == math.inf).any(-1) & (logit_map[1] == 0.0))
+        no_softmax = torch.isnan(part).any(-1) | ((part == math.inf).any(-1) & (not logit_map.capped))
         out[start:start + block.shape[0]] = torch.where(no_softmax, torch.full_like(thresholds, -math.inf), thresholds)
     return out.reshape(logits.shape[:-1])

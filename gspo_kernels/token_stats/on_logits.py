@@ -14,10 +14,10 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
-from ..config import (check_backend, check_logit_scale, check_logit_softcap, check_sampling, check_temperature,
-                      kernel_logit_map)
+from ..config import check_backend, check_logit_scale, check_logit_softcap, check_sampling, check_temperature
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
+from ..logit_map import LogitMap
 from .kept_set import SamplingFilter, kept_thresholds
 from .upstream import upstream_grads
 from .slice_grad import slice_logits_grad
@@ -33,14 +33,13 @@ class TokenStatsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, row_mask, logit_map: tuple, backend_name: str, inplace: bool,
+    def forward(ctx, logits, targets, row_mask, logit_map: LogitMap, backend_name: str, inplace: bool,
                 tp_slice: VocabSlice | None, kept_min: torch.Tensor | None = None):
         backend = backends.get(backend_name)
-        inv_temperature, softcap = logit_map
         owned = None
         if tp_slice is not None:
             targets, owned = tp_slice.local_targets(targets)
-        logp, entropy, lse = backend.token_stats(logits, targets, inv_temperature, softcap, kept_min)
+        logp, entropy, lse = backend.token_stats(logits, targets, logit_map, kept_min)
         if tp_slice is not None:
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack: a detached alias
@@ -65,7 +64,7 @@ class TokenStatsFunction(torch.autograd.Function):
                                "use inplace=False (the default) to backward twice (retain_graph=True)")
         logits, targets, lse, entropy, row_mask, owned, kept_min = ctx.saved_tensors
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
-        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, *ctx.logit_map, kept_min)
+        inputs = GradInputs(targets, lse, entropy, grad_logp, grad_entropy, row_mask, ctx.logit_map, kept_min)
         backend = backends.get(ctx.backend_name)
         grad = slice_logits_grad(backend, logits, inputs, None if ctx.tp_slice is None else owned,
                                  ctx.inplace and writable_in_place(logits))
@@ -76,7 +75,7 @@ class TokenStatsFunction(torch.autograd.Function):
         return (grad,) + no_grads[1:]
 
 
-def token_stats(logits, targets, logit_map: tuple, backend_name: str, inplace: bool = False,
+def token_stats(logits, targets, logit_map: LogitMap, backend_name: str, inplace: bool = False,
                 row_mask: torch.Tensor | None = None, tp_slice: VocabSlice | None = None,
                 sampling: SamplingFilter | None = None, sampling_threshold: torch.Tensor | None = None):
     """Stage 1 with autograd: logp and entropy in float32 (float64 for float64 logits) of the
@@ -89,7 +88,7 @@ def token_stats(logits, targets, logit_map: tuple, backend_name: str, inplace: b
     return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice, kept_min)
 
 
-def sampling_kept_min(logits, token_shape, logit_map: tuple, sampling, sampling_threshold, tp_slice,
+def sampling_kept_min(logits, token_shape, logit_map: LogitMap, sampling, sampling_threshold, tp_slice,
                       backend_name: str = "torch"):
     """The per-row kept-set thresholds the kernels take (float32, contiguous, token_shape), or
     None when the sampler kept every token."""
@@ -160,8 +159,8 @@ def selective_log_softmax(
     (docs/semantics.md, "The sampler's kept set"); a target outside it gets a -inf log-prob.
     """
     check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
-    logit_map = kernel_logit_map(check_temperature(temperature), check_logit_scale(logit_scale),
-                                 check_logit_softcap(logit_softcap))
+    logit_map = LogitMap.of(check_temperature(temperature), check_logit_scale(logit_scale),
+                            check_logit_softcap(logit_softcap))
     check_backend(backend)
     layout = TokenLayout.of_logits(logits)
     targets = check_targets(target_ids, layout)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.contract import LOG_FLOOR, GradInputs, logit_slope, mapped_logits_
+from ..backends.contract import LOG_FLOOR, GradInputs
 
 
 def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:
@@ -24,8 +24,8 @@ def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: Grad
     if inputs.row_mask is not None:
         foreign = foreign & inputs.row_mask
     dtype = inputs.lse.dtype
-    z = mapped_logits_(first_logit.to(dtype, copy=True), inputs.inv_temperature, inputs.softcap)
-    slope = logit_slope(z, inputs.inv_temperature, inputs.softcap)
+    z = inputs.logit_map.apply_(first_logit.to(dtype, copy=True))
+    slope = inputs.logit_map.slope(z)
     if inputs.kept_min is not None:  # outside the sampler's kept set: probability 0, gradient 0
         z = torch.where(first_logit.to(inputs.kept_min.dtype) < inputs.kept_min, float("-inf"), z)
     log_p = z - inputs.lse

@@ -51,9 +51,10 @@ def test_opcheck_triton_kept_thresholds(dtype):
 
 def test_triton_kept_thresholds_refuses_bad_filters():
     from gspo_kernels.backends.triton import kept_set_ops
+    from gspo_kernels.logit_map import LogitMap
 
     logits = torch.randn(3, 11, device=device_for("triton"))
     with pytest.raises(ValueError, match="top_p must be > 0"):
-        kept_set_ops.kept_thresholds(logits, 1.0, 0.0, 0, 0.0, 0.0)
+        kept_set_ops.kept_thresholds(logits, LogitMap(), 0, 0.0, 0.0)
     with pytest.raises(ValueError, match="min_p <= 1"):
-        kept_set_ops.kept_thresholds(logits, 1.0, 0.0, 0, 1.0, 1.5)
+        kept_set_ops.kept_thresholds(logits, LogitMap(), 0, 1.0, 1.5)

@@ -10,6 +10,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels.backends import triton_backend
+from gspo_kernels.logit_map import LogitMap
 from gspo_kernels.testing import reference
 from gspo_kernels.testing.verify import relative_error
 
@@ -270,14 +271,14 @@ def test_native_selection_keeps_the_samplers_set(selection, dtype, vocab, seed):
             for sampling in filters:
                 if not sampling.active:
                     continue
-                got = kept_thresholds(rows, logit_map, sampling, selection)
+                got = kept_thresholds(rows, LogitMap(*logit_map), sampling, selection)
                 assert got.shape == rows.shape[:-1]
                 where = f"{sampling}, map {logit_map}, {layout}"
                 got = got.reshape(-1)
                 kept = (xf >= got[:, None]) | (got == -math.inf)[:, None]  # -inf: every token (NaN ones too)
                 assert torch.equal(kept, _float64_kept(xf, logit_map, sampling)), where
                 if logit_map[1] == 0.0:
-                    assert torch.equal(got, kept_thresholds(rows, logit_map, sampling, "torch").reshape(-1)), where
+                    assert torch.equal(got, kept_thresholds(rows, LogitMap(*logit_map), sampling, "torch").reshape(-1)), where
 
 
 @pytest.mark.parametrize("selection", SELECTIONS)
@@ -292,5 +293,5 @@ def test_native_top_p_near_one_keeps_the_float64_samplers_set(selection, seed):
     gen = torch.Generator().manual_seed(seed % 2**31)
     x = (torch.randn(6, 5003, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 3.0, 8.0] * 2)[:, None]).float()
     logit_map, sampling = (1.3, 2.5), SamplingFilter(None, 0.999)
-    got = kept_thresholds(x, logit_map, sampling, selection)
+    got = kept_thresholds(x, LogitMap(*logit_map), sampling, selection)
     assert torch.equal((x >= got[:, None]) | (got == -math.inf)[:, None], _float64_kept(x, logit_map, sampling))

@@ -116,8 +116,8 @@ def _logits_grad_inplace_op(
     _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap, kept_min)
 
 
-def token_stats(logits, targets, inv_temperature, softcap=0.0, kept_min=None):
-    return _token_stats_op(with_unit_vocab_stride(logits), targets, inv_temperature, softcap, kept_min)
+def token_stats(logits, targets, logit_map, kept_min=None):
+    return _token_stats_op(with_unit_vocab_stride(logits), targets, *logit_map.op_args(), kept_min)
 
 
 def logits_grad(logits, inputs: GradInputs):

@@ -79,11 +79,11 @@ def _(hidden, weight, bias, targets, inv_temperature, softcap=0.0):
     return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
 
 
-def token_stats(hidden, weight, bias, targets, inv_temperature: float, softcap: float = 0.0):
+def token_stats(hidden, weight, bias, targets, logit_map):
     """(logp, entropy, lse), each `[N]` float32, of the logits hidden @ weight.T + bias through
-    the logit map (inv_temperature, softcap: contract.GradInputs). targets: `[N]` int64, local
-    ids (an id outside [0, V) gives a NaN log-prob)."""
-    return _token_stats_op(hidden, weight, bias, targets, inv_temperature, softcap)
+    the logit map (logit_map.LogitMap). targets: `[N]` int64, local ids (an id outside [0, V)
+    gives a NaN log-prob)."""
+    return _token_stats_op(hidden, weight, bias, targets, *logit_map.op_args())
 
 
 def _grad_shapes(hidden, weight, need_hidden: bool, need_weight: bool, need_bias: bool):
@@ -171,7 +171,7 @@ def grads(hidden, weight, bias, inputs: GradInputs, need: tuple[bool, bool, bool
     need_bias = need_bias and bias is not None
     if inputs.kept_min is not None:  # LinearPlan refuses it first; the tiles take no kept set
         raise NotImplementedError("the tile kernels (fused=True) take no sampler's kept set")
-    d_hidden, d_weight, d_bias = _grads_op(hidden, weight, bias, *inputs.op_args()[:-1], need_hidden, need_weight,
+    d_hidden, d_weight, d_bias = _grads_op(hidden, weight, bias, *inputs.op_args(kept_set=False), need_hidden, need_weight,
                                            need_bias, float(filter_eps), bool(invariant))
     return LinearGrads(d_hidden if need_hidden else None, d_weight if need_weight else None,
                        d_bias if need_bias else None)
