@@ -8,7 +8,8 @@ import torch
 from . import backends
 from .config import GSPOConfig, resolve_config
 from .distributed.vocab_parallel import VocabSlice
-from .inputs.checks import CallInputs, TokenLayout, prepare_batch
+from .inputs.batch import CallInputs, prepare_batch
+from .inputs.checks import TokenLayout
 from .sequence.gspo_objective import gspo_objective
 from .token_stats.kept_set import SamplingFilter
 from .token_stats.on_logits import token_stats

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .config import GSPOConfig, resolve_config
-from .inputs.checks import LOGPROB_DTYPES, CallInputs, TokenLayout, prepare_batch
+from .inputs.batch import CallInputs, prepare_batch
+from .inputs.checks import LOGPROB_DTYPES, TokenLayout
 from .sequence.gspo_objective import gspo_objective
 
 

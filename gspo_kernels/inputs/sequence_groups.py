@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .checks import LossBatch
+from .batch import LossBatch
 from .segments import Segments
 
 

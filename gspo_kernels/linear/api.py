@@ -13,7 +13,8 @@ import torch
 from ..config import (LinearConfig, check_backend, check_logit_scale, check_logit_softcap, check_sampling,
                       check_temperature, resolve_config, split_linear_options)
 from ..token_stats.kept_set import SamplingFilter
-from ..inputs.checks import CallInputs, TokenLayout, check_mask, check_targets, prepare_batch
+from ..inputs.batch import CallInputs, prepare_batch
+from ..inputs.checks import TokenLayout, check_mask, check_targets
 from ..logit_map import LogitMap
 from ..sequence.gspo_objective import gspo_objective
 from .chunked import FusedLinearTokenStats

@@ -25,7 +25,7 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..distributed.collectives import sum_over_ranks
-from ..inputs.checks import LossBatch
+from ..inputs.batch import LossBatch
 from ..inputs.sequence_groups import SequenceGroup, group_aggregation
 from ..sequence.gspo_objective import aggregation_weight, gspo_objective, sequence_coefficients
 from ..token_stats.kept_set import kept_thresholds

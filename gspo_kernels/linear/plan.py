@@ -13,7 +13,7 @@ from ..logit_map import LogitMap
 from ..distributed.collectives import all_reduce_max
 from ..distributed.vocab_parallel import VocabSlice
 from ..token_stats.kept_set import SamplingFilter
-from ..inputs.checks import LossBatch
+from ..inputs.batch import LossBatch
 from ..inputs.sequence_groups import SequenceGroup, sequence_groups
 from .invariant import ProductBlocks
 from .products import Operands

@@ -30,7 +30,7 @@ import torch
 from . import corrections
 from ..config import GSPOConfig
 from .gradient import attach_gradient
-from ..inputs.checks import LossBatch
+from ..inputs.batch import LossBatch
 from .kl import kl_penalty, kl_slope_plus_estimate
 from .objectives import PolicyInputs, gmpo_log_ratio, policy_term
 from .ratio import ImportanceRatio, importance_ratio

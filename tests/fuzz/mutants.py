@@ -69,7 +69,7 @@ MUTANTS = [
            "    n_seqs = torch.count_nonzero(tokens_per_seq).clamp(min=1)\n",
            "    n_seqs = torch.full_like(tokens_per_seq.sum(), tokens_per_seq.numel()).clamp(min=1)\n",
            "a mean over sequences that counts the empty ones (the sequence-mean denominator)"),
-    Mutant("cu_seqlens_last_row_dropped", "gspo_kernels/inputs/checks.py",
+    Mutant("cu_seqlens_last_row_dropped", "gspo_kernels/inputs/batch.py",
            "    return Segments.packed(cu.to(device=layout.device, dtype=torch.int64), layout.rows, cp_group, valid)\n",
            "    return Segments.packed(cu.to(device=layout.device, dtype=torch.int64).clamp(max=max(layout.rows - 1, 0)),"
            " layout.rows, cp_group, valid)\n",

@@ -149,7 +149,8 @@ def test_groups_hold_whole_sequences():
     args, kwargs = problem.loss_args()
     cu = torch.tensor([0, 3, 3, 10, 12, 20])
     from gspo_kernels.config import GSPOConfig
-    from gspo_kernels.inputs.checks import CallInputs, TokenLayout, prepare_batch
+    from gspo_kernels.inputs.batch import CallInputs, prepare_batch
+    from gspo_kernels.inputs.checks import TokenLayout
 
     layout = TokenLayout(torch.Size([20]), torch.device("cpu"))
     batch = prepare_batch(GSPOConfig(), layout, torch.zeros(20, dtype=torch.long), torch.zeros(20), torch.zeros(5),
