@@ -8,10 +8,11 @@ entry point's "config=... or **options" into a validated object.
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, fields
 
 from .logit_map import LogitMap
+from .option_values import (check_bool, check_choice, check_logit_scale, check_logit_softcap, check_optional_real,
+                            check_real, check_sampling, check_temperature)
 
 LEVELS = ("sequence", "sequence_token", "token")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
@@ -41,72 +42,9 @@ BACKENDS = ("auto", "triton", "torch", "cpu", "cuda")
 DEFAULT_FILTER_EPS = 0.0
 
 
-def _choice(name: str, value, allowed) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
-def _optional_real(name: str, value) -> float | None:
-    return None if value is None else _real(name, value)
-
-
-def _real(name: str, value) -> float:
-    # bool is an int subclass; True as a clip range is a bug, not a number.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float; got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value}")
-    return value
-
-
-def check_temperature(value) -> float:
-    """The softmax temperature as a float: finite and > 0 (inf would flatten every row to
-    uniform, and the backends would not even agree on how)."""
-    value = _real("temperature", value)
-    if value <= 0.0:
-        raise ValueError(f"temperature must be > 0; got {value}")
-    return value
-
-
-def check_logit_scale(value) -> float:
-    """The model's logit multiplier as a float: finite and > 0 (the kernels take the softmax of
-    z * logit_scale / temperature; a scale <= 0 is no model's)."""
-    value = _real("logit_scale", value)
-    if value <= 0.0:
-        raise ValueError(f"logit_scale must be > 0; got {value}")
-    return value
-
-
-def check_logit_softcap(value) -> float | None:
-    """The model's soft-cap c (logits -> c * tanh(logits / c)) as a float, or None for none."""
-    if value is None:
-        return None
-    value = _real("logit_softcap", value)
-    if value <= 0.0:
-        raise ValueError(f"logit_softcap must be > 0 (or None for no soft-cap); got {value}")
-    return value
-
-
-def check_sampling(top_k, top_p, min_p) -> None:
-    """The sampler's truncation as vLLM takes it: top_k an int >= 1, top_p in (0, 1], min_p in
-    [0, 1] (each None for none)."""
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"sampling_top_k must be an int >= 1 or None; got {top_k!r}")
-    if top_p is not None and not 0.0 < _real("sampling_top_p", top_p) <= 1.0:
-        raise ValueError(f"sampling_top_p must be in (0, 1] or None; got {top_p!r}")
-    if min_p is not None and not 0.0 <= _real("sampling_min_p", min_p) <= 1.0:
-        raise ValueError(f"sampling_min_p must be in [0, 1] or None; got {min_p!r}")
-
-
 def check_backend(value) -> str:
-    _choice("backend", value, BACKENDS)
+    check_choice("backend", value, BACKENDS)
     return value
-
-
-def _bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
 
 
 class _NamedOptions:
@@ -171,12 +109,12 @@ class GSPOConfig(_NamedOptions):
     log_ratio_clamp: tuple = (-20.0, 20.0)  # bounds of every log-ratio before exp; None = open
 
     def __post_init__(self) -> None:
-        _choice("level", self.level, LEVELS)
-        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("level", self.level, LEVELS)
+        check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_backend(self.backend)
         for name in ("eps_low", "eps_high", "beta", "entropy_coef"):
-            object.__setattr__(self, name, _real(name, getattr(self, name)))
+            object.__setattr__(self, name, check_real(name, getattr(self, name)))
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
         object.__setattr__(self, "logit_scale", check_logit_scale(self.logit_scale))
         object.__setattr__(self, "logit_softcap", check_logit_softcap(self.logit_softcap))
@@ -191,7 +129,7 @@ class GSPOConfig(_NamedOptions):
             isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= 0
         ):
             raise ValueError(f"max_len must be a positive int or None; got {self.max_len!r}")
-        _bool("inplace", self.inplace)
+        check_bool("inplace", self.inplace)
         self._check_family()
 
     @property
@@ -201,7 +139,7 @@ class GSPOConfig(_NamedOptions):
         return LogitMap.of(self.temperature, self.logit_scale, self.logit_softcap)
 
     def _check_family(self) -> None:
-        _choice("objective", self.objective, OBJECTIVES)
+        check_choice("objective", self.objective, OBJECTIVES)
         if self.level not in OBJECTIVE_LEVELS[self.objective]:
             raise ValueError(
                 f"objective={self.objective!r} is defined at level "
@@ -211,9 +149,9 @@ class GSPOConfig(_NamedOptions):
             raise ValueError(f"rollout_correction must be one of {ROLLOUT_CORRECTIONS}; got {self.rollout_correction!r}")
         for name in ("delta", "clip_ratio_c", "rollout_is_min", "rollout_is_max", "off_policy_mask_threshold",
                      "kl_clamp"):
-            object.__setattr__(self, name, _optional_real(name, getattr(self, name)))
+            object.__setattr__(self, name, check_optional_real(name, getattr(self, name)))
         for name in ("sapo_tau_pos", "sapo_tau_neg", "top_entropy_quantile", *VESPO_DEFAULTS):
-            object.__setattr__(self, name, _real(name, getattr(self, name)))
+            object.__setattr__(self, name, check_real(name, getattr(self, name)))
         if (self.delta is not None or self.clip_ratio_c is not None) and self.objective != "clip":
             raise ValueError("delta and clip_ratio_c shape the clipped objective; they need objective='clip'")
         if self.delta is not None and not self.delta > 1.0 + self.eps_high:
@@ -224,7 +162,7 @@ class GSPOConfig(_NamedOptions):
             raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {self.top_entropy_quantile}")
-        _choice("rollout_sequence_weight", self.rollout_sequence_weight, ROLLOUT_SEQUENCE_WEIGHTS)
+        check_choice("rollout_sequence_weight", self.rollout_sequence_weight, ROLLOUT_SEQUENCE_WEIGHTS)
         low, high = self.rollout_is_min, self.rollout_is_max
         if self.rollout_correction is not None and low is None and high is None:
             raise ValueError("rollout_correction needs rollout_is_max and/or rollout_is_min")
@@ -247,7 +185,7 @@ class GSPOConfig(_NamedOptions):
         clamp = self.log_ratio_clamp
         if not isinstance(clamp, (tuple, list)) or len(clamp) != 2:
             raise ValueError(f"log_ratio_clamp must be a (low, high) pair, None for an open side; got {clamp!r}")
-        low, high = (_optional_real("log_ratio_clamp", v) for v in clamp)
+        low, high = (check_optional_real("log_ratio_clamp", v) for v in clamp)
         if low is not None and high is not None and not low < high:
             raise ValueError(f"log_ratio_clamp needs low < high; got {clamp!r}")
         object.__setattr__(self, "log_ratio_clamp", (low, high))
@@ -293,9 +231,9 @@ class LinearConfig(_NamedOptions):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
             raise ValueError(f"chunk_size must be a positive int or None; got {size!r}")
         for name in ("reduce_hidden_grad", "fused", "batch_invariant"):
-            _bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         if self.weight_grad_fp32 is not None:
-            _bool("weight_grad_fp32", self.weight_grad_fp32)
+            check_bool("weight_grad_fp32", self.weight_grad_fp32)
         eps = self.grad_filter_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
             raise ValueError(f"grad_filter_eps must be a probability in [0, 1) (0: no filtering); got {eps!r}")

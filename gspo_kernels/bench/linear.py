@@ -6,13 +6,11 @@ Contenders:
     eager_native  the same with the lm_head matmul in the inputs' dtype, as a trainer writes it
                   (CPU with native bf16 only: AVX512-BF16 or AMX; a GPU's eager is this already)
     materialized  the trainer's own path, every ratio's base: the lm_head matmul in the inputs'
-                  dtype (float32 on a CPU without native bf16), then gspo_loss (this package's
-                  kernel) on the logits
+                  dtype (float32 on a CPU without native bf16), then gspo_loss on the logits
     materialized_fp32  the same with the matmul in float32 (CPU with native bf16 only)
     compile       torch.compile of eager
     liger         Liger-Kernel's LigerFusedLinearGRPOLoss (sequence level), when installed
-    cce           Cut Cross Entropy's linear_cross_entropy as a per-token log-prob, then the
-                  GSPO formula (GPU, when installed)
+    cce           Cut Cross Entropy's linear_cross_entropy as log-probs, the GSPO formula (GPU)
     fused         gk.fused_linear_gspo_loss (chunked; default chunk rule and schedule: one pass here)
     fused_two_pass  the same with schedule='two_pass' (the logits formed again in backward)
     fused_tiles   the same with fused=True: the Triton tile kernels (GPU)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import (LinearConfig, check_backend, check_logit_scale, check_logit_softcap, check_sampling,
-                      check_temperature, resolve_config, split_linear_options)
+from ..config import LinearConfig, check_backend, resolve_config, split_linear_options
+from ..option_values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
 from ..token_stats.kept_set import SamplingFilter
 from ..inputs.batch import CallInputs, prepare_batch
 from ..inputs.checks import TokenLayout, check_mask, check_targets

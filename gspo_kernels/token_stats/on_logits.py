@@ -14,7 +14,8 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
-from ..config import check_backend, check_logit_scale, check_logit_softcap, check_sampling, check_temperature
+from ..config import check_backend
+from ..option_values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
 from ..logit_map import LogitMap

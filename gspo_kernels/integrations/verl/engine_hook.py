@@ -11,7 +11,8 @@ import importlib.abc
 import importlib.util
 import sys
 
-from ...config import LinearConfig, check_sampling
+from ...config import LinearConfig
+from ...option_values import check_sampling
 from ...token_stats.kept_set import SamplingFilter
 from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, SAMPLING_ATTRIBUTE, forward_with_gspo_kernels
 
