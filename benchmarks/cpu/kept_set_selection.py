@@ -14,7 +14,7 @@ import time
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels.logit_map import LogitMap
+from gspo_kernels.config.logit_map import LogitMap
 from gspo_kernels.token_stats.kept_set import SamplingFilter, kept_thresholds
 
 FILTERS = {"top_k=50": SamplingFilter(50), "top_p=0.9": SamplingFilter(None, 0.9),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..logit_map import LogitMap
+from ..config.logit_map import LogitMap
 
 # Log-probabilities below this are probability 0 even in float32; clamping there changes no
 # value but keeps 0 * -inf (a -inf logit) out of the products. The one Python constant: the

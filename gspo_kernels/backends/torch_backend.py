@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..logit_map import LogitMap
+from ..config.logit_map import LogitMap
 from .contract import LOG_FLOOR, GradInputs
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..config import LinearConfig, check_backend, resolve_config, split_linear_options
-from ..option_values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
+from ..config.values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
 from ..token_stats.kept_set import SamplingFilter
 from ..inputs.batch import CallInputs, prepare_batch
 from ..inputs.checks import TokenLayout, check_mask, check_targets
-from ..logit_map import LogitMap
+from ..config.logit_map import LogitMap
 from ..sequence.gspo_objective import gspo_objective
 from .chunked import FusedLinearTokenStats
 from .one_pass import OnePassLoss, one_pass_loss

@@ -9,7 +9,7 @@ import torch
 
 from .. import backends
 from ..config import LinearConfig
-from ..logit_map import LogitMap
+from ..config.logit_map import LogitMap
 from ..distributed.collectives import all_reduce_max
 from ..distributed.vocab_parallel import VocabSlice
 from ..token_stats.kept_set import SamplingFilter

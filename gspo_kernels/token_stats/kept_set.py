@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import native_backend
-from ..logit_map import LogitMap
+from ..config.logit_map import LogitMap
 
 try:
     from ..backends.triton import kept_set_ops as triton_kept_set

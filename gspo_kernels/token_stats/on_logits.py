@@ -15,10 +15,10 @@ from .. import backends
 from ..backends.contract import GradInputs
 from ..backends.layout import writable_in_place
 from ..config import check_backend
-from ..option_values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
+from ..config.values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
-from ..logit_map import LogitMap
+from ..config.logit_map import LogitMap
 from .kept_set import SamplingFilter, kept_thresholds
 from .upstream import upstream_grads
 from .slice_grad import slice_logits_grad

@@ -10,7 +10,7 @@ import torch
 
 from gspo_kernels import backends
 from gspo_kernels.backends.contract import OP_ARG_NAMES, GradInputs
-from gspo_kernels.logit_map import LogitMap
+from gspo_kernels.config.logit_map import LogitMap
 
 # (temperature, logit_scale, logit_softcap) as models and trainers set them.
 OPTIONS = [(1.0, 1.0, None), (0.7, 1.0, None), (1.3, 0.0625, None), (1.0, 1.0, 30.0), (0.6, 1.5, 2.5), (2.0, 0.25, 50.0)]

@@ -51,7 +51,7 @@ def test_opcheck_triton_kept_thresholds(dtype):
 
 def test_triton_kept_thresholds_refuses_bad_filters():
     from gspo_kernels.backends.triton import kept_set_ops
-    from gspo_kernels.logit_map import LogitMap
+    from gspo_kernels.config.logit_map import LogitMap
 
     logits = torch.randn(3, 11, device=device_for("triton"))
     with pytest.raises(ValueError, match="top_p must be > 0"):

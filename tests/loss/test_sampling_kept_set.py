@@ -10,7 +10,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels.backends import triton_backend
-from gspo_kernels.logit_map import LogitMap
+from gspo_kernels.config.logit_map import LogitMap
 from gspo_kernels.testing import reference
 from gspo_kernels.testing.verify import relative_error
 

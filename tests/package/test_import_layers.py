@@ -11,7 +11,6 @@ import gspo_kernels
 PACKAGE = pathlib.Path(gspo_kernels.__file__).parent
 # Floors, lowest first: a folder may import from its own floor and those below it.
 FLOORS = [
-    {"logit_map", "option_values"},
     {"config", "backends"},
     {"distributed"},
     {"inputs"},

@@ -12,7 +12,7 @@ import importlib.util
 import sys
 
 from ...config import LinearConfig
-from ...option_values import check_sampling
+from ...config.values import check_sampling
 from ...token_stats.kept_set import SamplingFilter
 from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, SAMPLING_ATTRIBUTE, forward_with_gspo_kernels
 
