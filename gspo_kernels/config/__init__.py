@@ -11,8 +11,8 @@ import difflib
 from dataclasses import dataclass, fields
 
 from .logit_map import LogitMap
-from .option_values import (check_bool, check_choice, check_logit_scale, check_logit_softcap, check_optional_real,
-                            check_real, check_sampling, check_temperature)
+from .values import (check_bool, check_choice, check_logit_scale, check_logit_softcap, check_optional_real,
+                     check_real, check_sampling, check_temperature)
 
 LEVELS = ("sequence", "sequence_token", "token")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
