@@ -114,6 +114,9 @@ def kept_thresholds(logits: torch.Tensor, logit_map: LogitMap, sampling: Samplin
     sort, no float32 copy of the logits. The torch backend takes the PyTorch pre-pass below,
     the reference (and so does the cuda backend where Triton is not installed)."""
     filters = (sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p, sampling.min_p or 0.0)
+    # A threshold is a selection, not a function to differentiate: no autograd node (the native
+    # op has no autograd kernel, and torch warns when a backward meets one).
+    logits = logits.detach()
     if backend_name == "cpu" and logits.device.type == "cpu":
         return native_backend.kept_thresholds(logits, logit_map, *filters)
     if triton_kept_set is not None and (backend_name == "triton" or (backend_name == "cuda" and logits.is_cuda)):
