@@ -20,7 +20,10 @@ PY="$("$ROOT/scripts/setup_env.sh" | tail -n 1)"
 cd "$ROOT"
 mkdir -p results
 quick=(--reps 3 --rounds 2 --warmup 1 --quick)
-linear=(--modes fwd+bwd --reps 3 --rounds 2 --warmup 1)
+# The fused-linear table's quick contenders: the trainer's own path (materialized), ours, plain
+# eager and Liger's (where installed); --full adds torch.compile, the float32-product and two-pass
+# variants, the batch-invariant path and eager in the model's dtype.
+linear=(--modes fwd+bwd --reps 3 --rounds 2 --warmup 1 --providers eager,materialized,liger,fused)
 check=(--quick)
 if [ "${1:-}" = "--full" ]; then
     shift
