@@ -4,7 +4,8 @@ depend on the machine (the distributed splits' collectives and payloads) against
 
     python scripts/doc_tables.py [--results results]   # print the tables of the last main job
     python scripts/doc_tables.py --check-docs          # exit 1 if a page's exact figures differ
-                                                       # from results/bench_distributed.json
+                                                       # from results/bench_distributed.json, or
+                                                       # README quotes a figure no holder holds
 
 tests/cli/test_doc_tables.py runs the check on a fresh count, so those figures cannot drift.
 """
@@ -95,6 +96,34 @@ def check_docs(distributed: dict, pages=PAGES) -> list[str]:
     return problems
 
 
+# A measured figure as a page quotes it: a number and its unit (times, memory, ratios, shares).
+FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(ms|s|MiB|GB/s|x|%)(?!\w)")
+# The pages that hold measured figures; README quotes them and must quote them as they are held.
+HOLDERS = (ROOT / "benchmarks" / "RESULTS.md", ROOT / "docs" / "performance.md")
+QUOTING = (ROOT / "README.md",)
+
+
+def _held(value: str, unit: str, text: str) -> bool:
+    """Whether `text` holds the figure: with its unit, or as a table cell's number (a table states
+    its unit in the header)."""
+    if f"{value} {unit}" in text or f"{value}{unit}" in text:
+        return True
+    return re.search(rf"\|[^|\n]*(?<![\w.]){re.escape(value)}(?![\w.]|\.\d)[^|\n]*\|", text) is not None
+
+
+def unheld_figures(quoting=QUOTING, holders=HOLDERS) -> list[str]:
+    """The figures `quoting` pages state that no holder page holds: a rounded, stale or typed
+    figure where the page should quote the measured one (or link to it)."""
+    held = "\n".join(pathlib.Path(p).read_text() for p in holders)
+    problems = []
+    for page in map(pathlib.Path, quoting):
+        for match in FIGURE.finditer(page.read_text()):
+            if not _held(*match.groups(), held):
+                problems.append(f"{page.name}: {match.group(0)!r} is held by none of "
+                                f"{', '.join(pathlib.Path(h).name for h in holders)}")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(ROOT / "results"), help="the main job's JSON folder")
@@ -106,8 +135,9 @@ def main() -> int:
         if distributed is None:
             print(f"no {folder / 'bench_distributed.json'}: run ./scripts/main.sh first")
             return 2
-        problems = check_docs(distributed)
-        print("\n".join(problems) if problems else "the pages' exact distributed figures match")
+        problems = check_docs(distributed) + unheld_figures()
+        print("\n".join(problems) if problems else "the pages' exact distributed figures match, and README "
+                                                     "quotes only figures RESULTS.md or performance.md hold")
         return 1 if problems else 0
     makers = {"bench.json": loss_table, "bench_linear.json": linear_table, "bench_distributed.json": distributed_table,
               "bench_host.json": host_table}

@@ -36,3 +36,18 @@ def test_the_check_fails_both_ways(tmp_path):
     gone = dict(result, splits={k: v for k, v in result["splits"].items() if k != "dp"})
     problems = doc_tables.check_docs(gone)
     assert problems == ["performance.md: documents a dp row that the result no longer has"], problems
+
+
+def test_readme_quotes_only_held_figures(tmp_path):
+    """README's measured figures are the ones RESULTS.md or docs/performance.md hold, as they hold
+    them; a planted stale figure (the main job's time, one second off) and a rounded one are
+    caught, each by name."""
+    assert doc_tables.unheld_figures() == []
+    readme = doc_tables.QUOTING[0].read_text()
+    seconds = doc_tables.FIGURE.search(readme[readme.index("after set-up") - 40:]).group(1)
+    stale = tmp_path / "README.md"
+    stale.write_text(readme.replace(f"{seconds} s on an", f"{int(seconds) + 1} s on an", 1)
+                     .replace("86.8 ms", "87 ms", 1))
+    problems = doc_tables.unheld_figures((stale,))
+    assert problems == [f"README.md: '{int(seconds) + 1} s' is held by none of RESULTS.md, performance.md",
+                        "README.md: '87 ms' is held by none of RESULTS.md, performance.md"], problems
