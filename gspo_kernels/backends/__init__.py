@@ -1,21 +1,12 @@
 """Stage 1 (token stats) and stage 3 (logits gradient), one module per backend.
 
-Every backend module exposes the same three functions over logits of shape `[B, T, V]` or
-`[N, V]` (leading dims may be strided views; the vocab dim must be the unit-stride one):
-
-    token_stats(logits, targets, logit_map, kept_min=None) -> (logp, entropy, lse)
-                                 fp32, of the targets' shape
-    logits_grad(logits, inputs: GradInputs) -> new tensor like logits
-    logits_grad_(logits, inputs: GradInputs) -> logits, with the gradient written into its
-                                 storage (only for logits that layout.writable_in_place accepts)
-
-logit_map (logit_map.LogitMap) is the map and kept_min the sampler's kept set that GradInputs
-(contract.py) describes. `targets`
-is a contiguous int64 tensor with one element a row: `[N]`, or the token shape `(B, T)` (then
-the outputs have that shape too, and no caller needs a view). A target outside [0, V) gives
-logp = NaN for that row. GradInputs also states the row rule of the gradient. The Triton tile
-kernels of the fused-linear path (triton/tile_ops.py) take hidden states and the lm_head
-weight instead of logits; `tiles_available` says where they run.
+Every backend module is a contract.Backend: token_stats(logits, targets, logit_map, kept_min),
+logits_grad(logits, inputs) and logits_grad_(logits, inputs) over logits of shape `[B, T, V]`
+or `[N, V]` (leading dims may be strided views; the vocab dim must be the unit-stride one).
+logit_map (config/logit_map.py) is the map and kept_min the sampler's kept set that GradInputs
+(contract.py) describes, with the row rule of the gradient. The Triton tile kernels of the
+fused-linear path (triton/tile_ops.py) take hidden states and the lm_head weight instead of
+logits; `tiles_available` says where they run.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""What every backend agrees on besides the logits: the stage-3 inputs and the log floor.
-
-The three functions each backend module exposes are listed in `backends/__init__.py`;
-GradInputs is what their gradient functions read, bundled once for all of them.
+"""What every backend agrees on besides the logits: the functions a backend module exposes
+(Backend), the stage-3 inputs (GradInputs) and the log floor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -69,3 +68,20 @@ class GradInputs:
 # The names of op_args()' values, in order: the schemas' argument names after `logits`.
 OP_ARG_NAMES = ("targets", "lse", "entropy", "grad_logp", "grad_entropy", "row_mask", *LogitMap.OP_ARG_NAMES,
                 "kept_min")
+
+
+class Backend(Protocol):
+    """A backend module (backends.get(name)): stage 1 and stage 3 over logits `[B, T, V]` or
+    `[N, V]` whose vocab dim has unit stride (leading dims may be strided views).
+    tests/kernels/test_contract.py holds every backend module to these signatures."""
+
+    def token_stats(self, logits: torch.Tensor, targets: torch.Tensor, logit_map: LogitMap,
+                    kept_min: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse), float32, of the targets' shape (contiguous int64, one a row);
+        a target outside [0, V) gives logp = NaN for its row."""
+
+    def logits_grad(self, logits: torch.Tensor, inputs: GradInputs) -> torch.Tensor:
+        """dLoss/dlogits, a new tensor like logits, under GradInputs' row rule."""
+
+    def logits_grad_(self, logits: torch.Tensor, inputs: GradInputs) -> torch.Tensor:
+        """The same written into logits' storage (layout.writable_in_place logits only); returns logits."""

@@ -102,3 +102,19 @@ def test_the_stats_and_selection_schemas_take_the_map_by_its_names():
         names = _schema_names(op)
         start = names.index("inv_temperature")
         assert tuple(names[start:start + 2]) == LogitMap.OP_ARG_NAMES, op
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "cuda", "triton"])
+def test_every_backend_module_has_the_contracts_signatures(name):
+    """Each module backends.get returns defines contract.Backend's functions with its parameter
+    names, in its order (a caller may pass any of them by name)."""
+    import inspect
+
+    from gspo_kernels.backends.contract import Backend
+
+    module = backends.get(name)
+    if module is None:
+        pytest.skip(f"{name}: not installed here")
+    for function in ("token_stats", "logits_grad", "logits_grad_"):
+        want = list(inspect.signature(getattr(Backend, function)).parameters)[1:]  # without self
+        assert list(inspect.signature(getattr(module, function)).parameters) == want, (name, function)
