@@ -1,10 +1,10 @@
 """Stage 1 (token stats) and stage 3 (logits gradient), one module per backend.
 
-Every backend module is a contract.Backend: token_stats(logits, targets, logit_map, kept_min),
-logits_grad(logits, inputs) and logits_grad_(logits, inputs) over logits of shape `[B, T, V]`
-or `[N, V]` (leading dims may be strided views; the vocab dim must be the unit-stride one).
-logit_map (config/logit_map.py) is the map and kept_min the sampler's kept set that GradInputs
-(contract.py) describes, with the row rule of the gradient. The Triton tile kernels of the
+Every backend module is a contract.Backend: token_stats(logits, inputs: StatsInputs),
+logits_grad(logits, inputs: GradInputs) and logits_grad_(logits, inputs) over logits of shape
+`[B, T, V]` or `[N, V]` (leading dims may be strided views; the vocab dim must be the
+unit-stride one). The inputs objects (contract.py) carry the targets, the logit map
+(config/logit_map.py), the sampler's kept set and stage 3's upstream gradients and row rule. The Triton tile kernels of the
 fused-linear path (triton/tile_ops.py) take hidden states and the lm_head weight instead of
 logits; `tiles_available` says where they run.
 """

@@ -18,6 +18,24 @@ LOG_FLOOR = -200.0
 
 
 @dataclass(frozen=True)
+class StatsInputs:
+    """What stage 1 reads beside the logits: `targets` (contiguous int64, one a row: `[N]` or the
+    token shape `(B, T)`, which the outputs then take), the logit map, and the sampler's kept set
+    (kept_min, float32 per row, or None: GradInputs says what it keeps)."""
+
+    targets: torch.Tensor
+    logit_map: LogitMap
+    kept_min: torch.Tensor | None = None
+
+    def op_args(self) -> tuple:
+        """The arguments after `logits`, in the order of the stats ops' schemas: STATS_OP_ARG_NAMES."""
+        return (self.targets, *self.logit_map.op_args(), self.kept_min)
+
+
+STATS_OP_ARG_NAMES = ("targets", *LogitMap.OP_ARG_NAMES, "kept_min")
+
+
+@dataclass(frozen=True)
 class GradInputs:
     """Per-row tensors (float32 unless noted), contiguous, one element per logits row: `[N]` or
     the token shape `(B, T)`, all alike; and the logit map of one backward pass (logit_map.py:
@@ -75,10 +93,9 @@ class Backend(Protocol):
     `[N, V]` whose vocab dim has unit stride (leading dims may be strided views).
     tests/kernels/test_contract.py holds every backend module to these signatures."""
 
-    def token_stats(self, logits: torch.Tensor, targets: torch.Tensor, logit_map: LogitMap,
-                    kept_min: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy, lse), float32, of the targets' shape (contiguous int64, one a row);
-        a target outside [0, V) gives logp = NaN for its row."""
+    def token_stats(self, logits: torch.Tensor, inputs: StatsInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp, entropy, lse), float32, of the targets' shape; a target outside [0, V) gives
+        logp = NaN for its row."""
 
     def logits_grad(self, logits: torch.Tensor, inputs: GradInputs) -> torch.Tensor:
         """dLoss/dlogits, a new tensor like logits, under GradInputs' row rule."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .contract import GradInputs
+from .contract import GradInputs, StatsInputs
 from .layout import with_unit_vocab_stride
 
 _load_error: str | None = None
@@ -56,9 +56,8 @@ if _C is not None:
         return None
 
 
-def token_stats(logits, targets, logit_map, kept_min=None):
-    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), targets, *logit_map.op_args(),
-                                              kept_min)
+def token_stats(logits, inputs: StatsInputs):
+    return torch.ops.gspo_kernels.token_stats(with_unit_vocab_stride(logits), *inputs.op_args())
 
 
 def kept_thresholds(logits, logit_map, top_k, top_p, min_p):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config.logit_map import LogitMap
-from .contract import LOG_FLOOR, GradInputs
+from .contract import LOG_FLOOR, GradInputs, StatsInputs
 
 
 def _scaled_rows(logits: torch.Tensor, logit_map: LogitMap) -> torch.Tensor:
@@ -34,12 +34,12 @@ def _outside_kept(logits: torch.Tensor, kept_min: torch.Tensor | None):
     return rows.to(kept_min.dtype) < kept_min.reshape(-1, 1)
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, logit_map: LogitMap, kept_min: torch.Tensor | None = None):
+def token_stats(logits: torch.Tensor, inputs: StatsInputs):
     """Returns (logp, entropy, lse), each float32 (float64 for float64 logits) of the targets'
     shape."""
-    shape, targets = targets.shape, targets.reshape(-1)
-    z = _scaled_rows(logits, logit_map)
-    outside = _outside_kept(logits, kept_min)
+    shape, targets = inputs.targets.shape, inputs.targets.reshape(-1)
+    z = _scaled_rows(logits, inputs.logit_map)
+    outside = _outside_kept(logits, inputs.kept_min)
     if outside is not None:
         z.masked_fill_(outside, float("-inf"))
     vocab = z.shape[-1]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from ..backends.contract import GradInputs
+from ..backends.contract import GradInputs, StatsInputs
 from ..distributed.collectives import sum_over_ranks
 from ..token_stats.kept_set import kept_thresholds
 from ..token_stats.upstream import nan_lse_for_bad_targets, upstream_grads
@@ -50,8 +50,8 @@ class FusedLinearTokenStats(torch.autograd.Function):
                 logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
             if kept_min is not None:  # the sampler's kept set, from this chunk's logits
                 kept_min[part] = kept_thresholds(logits, plan.logit_map, plan.sampling, plan.backend_name)
-            logp[part], entropy[part], lse[part] = backend.token_stats(logits, targets[part], plan.logit_map,
-                                                                       None if kept_min is None else kept_min[part])
+            inputs = StatsInputs(targets[part], plan.logit_map, None if kept_min is None else kept_min[part])
+            logp[part], entropy[part], lse[part] = backend.token_stats(logits, inputs)
         if plan.tp_slice is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
             logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner

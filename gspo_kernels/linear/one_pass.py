@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import backends
-from ..backends.contract import GradInputs
+from ..backends.contract import GradInputs, StatsInputs
 from ..distributed.collectives import sum_over_ranks
 from ..inputs.batch import LossBatch
 from ..inputs.sequence_groups import SequenceGroup, group_aggregation
@@ -117,7 +117,7 @@ def _run(hidden, weight, bias, plan: LinearPlan, job: OnePassLoss, need):
         kept_min = None
         if plan.sampling is not None:  # the sampler's kept set, from this group's logits
             kept_min = kept_thresholds(logits, plan.logit_map, plan.sampling, plan.backend_name)
-        lp, ent, lse = backend.token_stats(logits, targets[part], plan.logit_map, kept_min)
+        lp, ent, lse = backend.token_stats(logits, StatsInputs(targets[part], plan.logit_map, kept_min))
         if plan.tp_slice is not None:  # two collectives per group, O(rows)
             lp, ent, lse = plan.tp_slice.merge(lp, ent, lse, owned[part])
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from ..backends.contract import GradInputs
+from ..backends.contract import GradInputs, StatsInputs
 from ..backends.layout import writable_in_place
 from ..config import check_backend
 from ..config.values import check_logit_scale, check_logit_softcap, check_sampling, check_temperature
@@ -40,7 +40,7 @@ class TokenStatsFunction(torch.autograd.Function):
         owned = None
         if tp_slice is not None:
             targets, owned = tp_slice.local_targets(targets)
-        logp, entropy, lse = backend.token_stats(logits, targets, logit_map, kept_min)
+        logp, entropy, lse = backend.token_stats(logits, StatsInputs(targets, logit_map, kept_min))
         if tp_slice is not None:
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack: a detached alias

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gspo_kernels import backends
-from gspo_kernels.backends.contract import OP_ARG_NAMES, GradInputs
+from gspo_kernels.backends.contract import OP_ARG_NAMES, STATS_OP_ARG_NAMES, GradInputs, StatsInputs
 from gspo_kernels.config.logit_map import LogitMap
 
 # (temperature, logit_scale, logit_softcap) as models and trainers set them.
@@ -84,6 +84,26 @@ def _ops_taking_grad_inputs():
 @pytest.mark.parametrize("op", _ops_taking_grad_inputs(), ids=lambda op: op._qualified_op_name)
 def test_every_gradient_schema_takes_the_op_args_in_order(op):
     assert _schema_names(op) == ["logits", *OP_ARG_NAMES]
+
+
+def test_stats_inputs_op_args_follow_the_names():
+    inputs = StatsInputs(targets=object(), logit_map=LogitMap(0.75, 3.5), kept_min=object())
+    values = dict(targets=inputs.targets, inv_temperature=0.75, softcap=3.5, kept_min=inputs.kept_min)
+    assert [values[name] for name in STATS_OP_ARG_NAMES] == list(inputs.op_args())
+
+
+def _stats_ops():
+    ops = []
+    if backends.native_available():
+        ops.append(torch.ops.gspo_kernels.token_stats)
+    if backends.triton_backend is not None:
+        ops.append(torch.ops.gspo_kernels.triton_token_stats)
+    return ops
+
+
+@pytest.mark.parametrize("op", _stats_ops(), ids=lambda op: op._qualified_op_name)
+def test_every_stats_schema_takes_the_op_args_in_order(op):
+    assert _schema_names(op) == ["logits", *STATS_OP_ARG_NAMES]
 
 
 def test_the_stats_and_selection_schemas_take_the_map_by_its_names():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import GradInputs
+from ..contract import GradInputs, StatsInputs
 from ..layout import RowLayout, elements_disjoint, next_power_of_2, with_unit_vocab_stride
 from . import row_kernels as kernels
 from .common import INTERPRETED  # noqa: F401  (read as backends.triton_backend.INTERPRETED)
@@ -116,8 +116,8 @@ def _logits_grad_inplace_op(
     _launch_grad(logits, logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap, kept_min)
 
 
-def token_stats(logits, targets, logit_map, kept_min=None):
-    return _token_stats_op(with_unit_vocab_stride(logits), targets, *logit_map.op_args(), kept_min)
+def token_stats(logits, inputs: StatsInputs):
+    return _token_stats_op(with_unit_vocab_stride(logits), *inputs.op_args())
 
 
 def logits_grad(logits, inputs: GradInputs):
