@@ -19,7 +19,8 @@ _grad_tile takes its 26 arguments one by one and each of the three backward kern
 on the same way: a @triton.jit function takes only tensors (pointers), scalars and constexprs,
 so they cannot travel as one config object. Grouping them would lean on tuple arguments of
 newer Triton releases, untested on the two this code runs on (3.6 on the GPU machine, 3.8
-here), for no change in the generated code.
+here), for no change in the generated code. The products after dz are written once
+(_hidden_grad_part, _weight_grad_part, _add_to) for the atomic and the batch-invariant kernels.
 """
 
 import triton
@@ -58,6 +59,33 @@ def _dz_operand(dz, h_ptr):
     if h_ptr.dtype.element_ty == tl.bfloat16:
         out = dz.to(tl.bfloat16)
     return out
+
+
+@triton.jit
+def _hidden_grad_part(dz_in, w_ptr, cols, kk, vocab, hidden_size, stride_w, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """dz @ W[cols, kk]: the tile's part of its rows' d hidden at columns kk, float32."""
+    w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
+                mask=(cols[:, None] < vocab) & (kk[None, :] < hidden_size), other=0.0)
+    return _dot(dz_in, w, tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), IEEE)
+
+
+@triton.jit
+def _weight_grad_part(dz_in, h_ptr, rows, kk, n_rows, hidden_size, stride_h, IEEE: tl.constexpr,
+                      BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dz.T @ H[rows, kk]: the tile's part of its vocab rows' d weight at columns kk, float32."""
+    h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :],
+                mask=(rows[:, None] < n_rows) & (kk[None, :] < hidden_size), other=0.0)
+    return _dot(tl.trans(dz_in), h, tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32), IEEE)
+
+
+@triton.jit
+def _add_to(out_ptr, index, count, kk, hidden_size, part):
+    """out[index, kk] += part with a plain load and store: the batch-invariant kernels are the
+    only writers of what they sum, and add their tiles in a fixed order."""
+    out = out_ptr + index[:, None].to(tl.int64) * hidden_size + kk[None, :]
+    ok = (index[:, None] < count) & (kk[None, :] < hidden_size)
+    tl.store(out, tl.load(out, mask=ok, other=0.0) + part, mask=ok)
 
 
 @triton.jit
@@ -183,15 +211,12 @@ def linear_grad_kernel(
             kk = k0 + ks
             k_ok = kk[None, :] < hidden_size
             if NEED_DH:
-                w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
-                            mask=(cols[:, None] < vocab) & k_ok, other=0.0)
-                part = _dot(dz_in, w, tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), IEEE)
+                part = _hidden_grad_part(dz_in, w_ptr, cols, kk, vocab, hidden_size, stride_w, IEEE, BLOCK_N, BLOCK_H)
                 tl.atomic_add(dh_ptr + rows[:, None].to(tl.int64) * hidden_size + kk[None, :], part,
                               mask=(rows[:, None] < n_rows) & k_ok, sem="relaxed")
             if NEED_DW:
-                h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :],
-                            mask=(rows[:, None] < n_rows) & k_ok, other=0.0)
-                part = _dot(tl.trans(dz_in), h, tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32), IEEE)
+                part = _weight_grad_part(dz_in, h_ptr, rows, kk, n_rows, hidden_size, stride_h, IEEE, BLOCK_V,
+                                         BLOCK_H)
                 tl.atomic_add(dw_ptr + cols[:, None].to(tl.int64) * hidden_size + kk[None, :], part,
                               mask=(cols[:, None] < vocab) & k_ok, sem="relaxed")
     if NEED_DB:  # cheap, so never filtered: d bias stays exact
@@ -223,13 +248,8 @@ def linear_hidden_grad_kernel(
         dz_in = _dz_operand(dz, h_ptr)
         for k0 in range(0, hidden_size, BLOCK_H):
             kk = k0 + ks
-            k_ok = kk[None, :] < hidden_size
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
-                        mask=(cols[:, None] < vocab) & k_ok, other=0.0)
-            part = _dot(dz_in, w, tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), IEEE)
-            out = dh_ptr + rows[:, None].to(tl.int64) * hidden_size + kk[None, :]
-            ok = (rows[:, None] < n_rows) & k_ok
-            tl.store(out, tl.load(out, mask=ok, other=0.0) + part, mask=ok)
+            part = _hidden_grad_part(dz_in, w_ptr, cols, kk, vocab, hidden_size, stride_w, IEEE, BLOCK_N, BLOCK_H)
+            _add_to(dh_ptr, rows, n_rows, kk, hidden_size, part)
         tl.debug_barrier()  # this tile's stores before the next tile's loads, across the program's threads
 
 
@@ -257,13 +277,9 @@ def linear_weight_grad_kernel(
             dz_in = _dz_operand(dz, h_ptr)
             for k0 in range(0, hidden_size, BLOCK_H):
                 kk = k0 + ks
-                k_ok = kk[None, :] < hidden_size
-                h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :],
-                            mask=(rows[:, None] < n_rows) & k_ok, other=0.0)
-                part = _dot(tl.trans(dz_in), h, tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32), IEEE)
-                out = dw_ptr + cols[:, None].to(tl.int64) * hidden_size + kk[None, :]
-                ok = (cols[:, None] < vocab) & k_ok
-                tl.store(out, tl.load(out, mask=ok, other=0.0) + part, mask=ok)
+                part = _weight_grad_part(dz_in, h_ptr, rows, kk, n_rows, hidden_size, stride_h, IEEE, BLOCK_V,
+                                         BLOCK_H)
+                _add_to(dw_ptr, cols, vocab, kk, hidden_size, part)
             tl.debug_barrier()  # as in linear_hidden_grad_kernel
     if NEED_DB:
         tl.store(db_ptr + cols, bias_sum, mask=cols < vocab)
