@@ -32,7 +32,7 @@ from ..config import GSPOConfig
 from .gradient import attach_gradient
 from ..inputs.batch import LossBatch
 from .kl import kl_penalty, kl_slope_plus_estimate
-from .objectives import PolicyInputs, gmpo_log_ratio, policy_term
+from .objectives import OWN_LOG_RATIO, PolicyInputs, policy_term
 from .ratio import ImportanceRatio, importance_ratio
 
 
@@ -166,9 +166,11 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     response_only = _ResponseOnly(batch, logp.dtype)
     x, old, counts, seq_log_ratio = _policy_inputs(config, batch, logp, response_only)
     ratio = importance_ratio(config.level, x, seq_log_ratio)
-    # GMPO's ratio is its own geometric mean; the KL's bias correction keeps the level's.
-    policy_ratio = importance_ratio(config.level, x, seq_log_ratio, gmpo_log_ratio(config, x)) \
-        if config.objective == "gmpo" else ratio
+    # An objective with a log-ratio of its own (OWN_LOG_RATIO: GMPO's) has a ratio of its own,
+    # pulled back apart; the KL's bias correction keeps the level's.
+    own_log_ratio = OWN_LOG_RATIO.get(config.objective)
+    policy_ratio = ratio if own_log_ratio is None else \
+        importance_ratio(config.level, x, seq_log_ratio, own_log_ratio(config, x))
     term = policy_term(config, x, policy_ratio.value)
     entropy_r = response_only(entropy)
     rollout = None if batch.rollout_logprobs is None else response_only(batch.rollout_logprobs)
@@ -178,7 +180,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
 
     per_token = _times(term.value, weight)
     d_logp, d_policy_ratio = _times(term.d_logp, weight), _times(term.d_ratio, weight)
-    d_ratio = None if policy_ratio is not ratio else d_policy_ratio
+    d_ratio = d_policy_ratio if own_log_ratio is None else None  # one pull for the term and the KL
     kl = None
     if batch.ref_logprobs is not None:
         kl, penalty = _kl_term(config, x.logp, response_only(batch.ref_logprobs), ratio, response_only)
@@ -195,7 +197,7 @@ def _evaluate(config: GSPOConfig, batch: LossBatch, logp: torch.Tensor, entropy:
     g = _times(d_logp, w_row)
     if d_ratio is not None:
         g = _plus(g, ratio.pull(x, w_row * d_ratio))
-    if policy_ratio is not ratio:
+    if own_log_ratio is not None:
         g = _plus(g, policy_ratio.pull(x, w_row * d_policy_ratio))
     g = response_only(g)
     h = None

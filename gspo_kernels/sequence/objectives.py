@@ -157,6 +157,9 @@ def _vespo(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:
 
 
 OBJECTIVES = {"clip": _clip, "cispo": _cispo, "sapo": _sapo, "gmpo": _gmpo, "vespo": _vespo}
+# The objectives whose ratio is built on a per-token log-ratio of their own (and its derivative by
+# the plain one) instead of the level's: GMPO's clipped one. The others take the level's ratio.
+OWN_LOG_RATIO = {"gmpo": gmpo_log_ratio}
 
 
 def policy_term(cfg: GSPOConfig, x: PolicyInputs, ratio: torch.Tensor) -> PolicyTerm:

@@ -11,7 +11,7 @@ import torch
 
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.inputs.segments import Segments
-from gspo_kernels.sequence.objectives import OBJECTIVES, PolicyInputs, policy_term
+from gspo_kernels.sequence.objectives import OBJECTIVES, OWN_LOG_RATIO, PolicyInputs, policy_term
 
 # Each objective at options that reach all of its branches on the drawn ratios.
 CONFIGS = {
@@ -72,3 +72,18 @@ def test_derivatives_match_jacrev(objective, seed):
         assert off == 0, where
         want = torch.zeros_like(d_ratio) if term.d_ratio is None else torch.broadcast_to(term.d_ratio, ratio.shape)
         assert torch.allclose(d_ratio, want, rtol=1e-12, atol=1e-14), where
+
+
+@pytest.mark.parametrize("objective", sorted(OWN_LOG_RATIO))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_objectives_own_log_ratio_and_its_slope_match_jacrev(objective, seed):
+    """The log-ratio an objective builds its ratio on (GMPO's clipped one) and the derivative it
+    states by the plain log-ratio."""
+    cfg = CONFIGS[objective][0]
+    x, _ = _inputs(seed)
+    own = OWN_LOG_RATIO[objective]
+    _, slope = own(cfg, x)
+    jacobian = torch.func.jacrev(lambda lr: own(cfg, dataclasses.replace(x, log_ratio=lr))[0])(x.log_ratio)
+    d_log_ratio, off = _diagonal(jacobian, x.log_ratio.shape)
+    assert off == 0
+    assert torch.equal(d_log_ratio, slope), (d_log_ratio, slope)
