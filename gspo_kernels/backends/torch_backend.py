@@ -59,23 +59,31 @@ def token_stats(logits: torch.Tensor, inputs: StatsInputs):
     return logp.reshape(shape), entropy.reshape(shape), (row_max + log_sum).reshape(shape)
 
 
+def softmax_terms_(z: torch.Tensor, inputs: GradInputs) -> torch.Tensor:
+    """Each logit's gradient but the target's one-hot term and the map's slope,
+    -p (g + h (log p + H)), in place on z `[N, k]` (the mapped logits, -inf outside the kept
+    set; inputs as `[N]` rows). The fix-up of a vocab slice's foreign rows (token_stats/
+    slice_grad.py) takes it too."""
+    log_p = z.sub_(inputs.lse.unsqueeze(-1))
+    grad = torch.exp(log_p)
+    g = inputs.grad_logp.to(grad.dtype).unsqueeze(-1)
+    if inputs.grad_entropy is None:
+        return grad.mul_(-g)
+    h = inputs.grad_entropy.to(grad.dtype).unsqueeze(-1)
+    coef = log_p.clamp_(min=LOG_FLOOR).add_(inputs.entropy.to(grad.dtype).unsqueeze(-1)).mul_(h).add_(g)
+    return grad.mul_(coef).neg_()
+
+
 def _grad_rows(logits, inputs: GradInputs):
     inputs = inputs.as_rows()
-    lse, entropy, targets = inputs.lse, inputs.entropy, inputs.targets
+    lse, targets = inputs.lse, inputs.targets
     z = _scaled_rows(logits, inputs.logit_map)
     slope = inputs.logit_map.slope(z)  # before z becomes log p in place
     outside = _outside_kept(logits, inputs.kept_min)
     if outside is not None:
         z.masked_fill_(outside, float("-inf"))
-    log_p = z.sub_(lse.unsqueeze(-1))
-    grad = torch.exp(log_p)
+    grad = softmax_terms_(z, inputs)
     g = inputs.grad_logp.to(grad.dtype).unsqueeze(-1)
-    if inputs.grad_entropy is None:
-        grad.mul_(-g)
-    else:
-        h = inputs.grad_entropy.to(grad.dtype).unsqueeze(-1)
-        coef = log_p.clamp_(min=LOG_FLOOR).add_(entropy.to(grad.dtype).unsqueeze(-1)).mul_(h).add_(g)
-        grad.mul_(coef).neg_()
     vocab = grad.shape[-1]
     valid = _valid(targets, vocab)
     one_hot_rows = valid if outside is None else valid & ~outside.gather(-1, targets.clamp(0, vocab - 1)

@@ -3,15 +3,17 @@ columns of the fused-linear vocab sweep on one process.
 
 The kernels know nothing of slices: they get local target ids, with column 0 standing in for
 the rows whose target lies outside the slice (a valid read, so no NaN), and then only those
-rows carry a one-hot term they must not have, at column 0. It is rewritten from the formula
-(an O(N) fix-up), so the gradient over the slice is exactly the slice of the whole one.
+rows carry a one-hot term they must not have, at column 0. It is rewritten (an O(N) fix-up)
+by the torch backend's per-element term and the logit map's slope, so the gradient over the
+slice is exactly the slice of the whole one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backends.contract import LOG_FLOOR, GradInputs
+from ..backends.contract import GradInputs
+from ..backends.torch_backend import softmax_terms_
 
 
 def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: GradInputs, owned: torch.Tensor) -> None:
@@ -28,11 +30,7 @@ def fix_foreign_rows(grad: torch.Tensor, first_logit: torch.Tensor, inputs: Grad
     slope = inputs.logit_map.slope(z)
     if inputs.kept_min is not None:  # outside the sampler's kept set: probability 0, gradient 0
         z = torch.where(first_logit.to(inputs.kept_min.dtype) < inputs.kept_min, float("-inf"), z)
-    log_p = z - inputs.lse
-    coef = inputs.grad_logp
-    if inputs.grad_entropy is not None:
-        coef = coef + inputs.grad_entropy * (log_p.clamp(min=LOG_FLOOR) + inputs.entropy)
-    value = -torch.exp(log_p) * coef * slope
+    value = (softmax_terms_(z.reshape(-1, 1), inputs.as_rows()).reshape(z.shape) * slope)
     column = grad.select(-1, 0)
     fixed = torch.where(foreign, value, column.reshape(value.shape).to(dtype))
     column.copy_(fixed.reshape(column.shape))
