@@ -14,6 +14,10 @@ reducer R (sum_of_sample_mean):
 pg the clipped GSPO term per token (gk.policy_loss at level sequence, or token for another
 advantage estimator), tis slime's vanilla truncated importance weight (with --use-tis or
 --get-mismatch-metrics, as slime applies it), opsm its off-policy sequence mask (--use-opsm).
+Both are the package's own corrections (sequence/corrections.py) under slime's options: TIS is
+rollout_correction='token-truncate' between tis_clip_low and tis_clip on the trainer's old
+log-probs (a NaN rollout log-prob counts as no correction there, where slime's weight is NaN),
+OPSM is off_policy_mask_threshold=opsm_delta on the whole responses.
 R is linear, so its weight on each token is read once, by autograd on a zero vector, and handed
 to policy_loss, times tis and opsm, as token_weights with loss_agg='token-sum': whatever
 denominators slime put in R (per sample, per rollout group) hold exactly.
@@ -30,9 +34,14 @@ loss handles.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from ...config import GSPOConfig
+from ...inputs.segments import Segments
 from ...policy_loss import policy_loss
+from ...sequence.corrections import on_policy_sequences, rollout_weights
 from .logits import token_logprobs
 from .slime_layout import slime_layout
 
@@ -109,14 +118,29 @@ def _sequence_kl(whole_old, whole_logp, whole_mask, response_lengths):
 
 
 def _tis(args, batch, train_old, report, reduce):
-    """slime's vanilla_tis_function: the weight clamp(exp(old - rollout), tis_clip_low,
-    tis_clip) on each token's policy term, and its metrics reduced by R."""
+    """slime's vanilla_tis_function, the weight clamp(exp(old - rollout), tis_clip_low, tis_clip)
+    on each token's policy term: the package's token-truncate rollout correction; and slime's
+    metrics of it reduced by R."""
     if not batch.get("rollout_log_probs"):
         raise ValueError("--use-tis and --get-mismatch-metrics need the batch's rollout_log_probs")
-    tis = torch.exp(train_old - torch.cat(batch["rollout_log_probs"]).float())
-    weights = tis.clamp(args.tis_clip_low, args.tis_clip)
+    rollout = torch.cat(batch["rollout_log_probs"]).float()
+    truncate = GSPOConfig(rollout_correction="token-truncate", rollout_is_min=args.tis_clip_low,
+                          rollout_is_max=args.tis_clip)
+    # Token modes read neither the sequences nor their lengths.
+    weights, _ = rollout_weights(truncate, None, torch.ones_like(train_old, dtype=torch.bool), None, train_old, rollout)
+    tis = torch.exp(train_old - rollout)
     report.update(tis=reduce(tis), tis_clipfrac=reduce((weights != tis).float()), tis_abs=reduce((tis - 1).abs()))
     return weights
+
+
+def _off_policy_sequences(args, whole, layout) -> torch.Tensor:
+    """slime's OPSM on this rank's response tokens (1.0 where masked): the package's off-policy
+    sequence mask with off_policy_mask_threshold = opsm_delta, over the whole responses."""
+    cfg = GSPOConfig(off_policy_mask_threshold=args.opsm_delta)
+    segments = Segments.packed(whole.cu_seqlens, whole.mask.numel())
+    length = segments.seq_sum(whole.mask.float()).clamp(min=1)
+    kept = on_policy_sequences(cfg, segments, whole.mask, length, whole.logp, whole.old, whole.advantages)
+    return (~kept).index_select(0, layout.full_index).float()
 
 
 def gspo_loss_function(args, batch, logits, sum_of_sample_mean):
@@ -148,6 +172,8 @@ def gspo_loss_function(args, batch, logits, sum_of_sample_mean):
     whole_old = _whole_responses(old, layout, n_whole, cp_group)
     whole_mask = torch.cat(batch["loss_masks"]).to(device).float()
     advantages = torch.cat(batch["advantages"]).float()
+    whole_advantages = _whole_responses(advantages, layout, n_whole, None)
+    cu_seqlens = torch.tensor([0] + response_lengths, device=device).cumsum(0)
     gspo = getattr(args, "advantage_estimator", "gspo") == "gspo"
 
     report = {}
@@ -157,7 +183,9 @@ def gspo_loss_function(args, batch, logits, sum_of_sample_mean):
         ppo_kl = torch.repeat_interleave(sequence_kl, local_lengths) if gspo else old - logp.detach()
         weights = _reducer_weights(sum_of_sample_mean, logp.numel(), device)
         if getattr(args, "use_opsm", False):
-            masked = ((advantages < 0) & (torch.repeat_interleave(sequence_kl, local_lengths) > args.opsm_delta)).float()
+            whole = SimpleNamespace(cu_seqlens=cu_seqlens, mask=whole_mask != 0, logp=whole_logp.detach(),
+                                    old=whole_old, advantages=whole_advantages)
+            masked = _off_policy_sequences(args, whole, layout)
             counts = torch.stack([m.sum() for m in batch["loss_masks"]]).to(device).clamp_min(1)
             report["opsm_clipfrac"] = (torch.stack([part.sum() for part in masked.split(layout.local_lengths)])
                                        / counts).sum()
@@ -167,8 +195,7 @@ def gspo_loss_function(args, batch, logits, sum_of_sample_mean):
             weights = weights * _tis(args, batch, train_old, report, sum_of_sample_mean)
 
     pg_loss, _ = policy_loss(
-        whole_logp, whole_old, _whole_responses(advantages, layout, n_whole, None), mask=whole_mask != 0,
-        cu_seqlens=torch.tensor([0] + response_lengths, device=device).cumsum(0),
+        whole_logp, whole_old, whole_advantages, mask=whole_mask != 0, cu_seqlens=cu_seqlens,
         token_weights=_whole_responses(weights, layout, n_whole, None), level="sequence" if gspo else "token",
         eps_low=args.eps_clip, eps_high=args.eps_clip_high, clip_ratio_c=getattr(args, "eps_clip_c", None),
         loss_agg="token-sum", normalizer=1.0)
