@@ -15,12 +15,11 @@ through `row_mask`; a row whose lse is not finite (no softmax, or a target no ra
 by the caller) gets NaN; a target < 0 adds no one-hot term (vocab-parallel: the target lives
 on another rank).
 
-_grad_tile takes its 26 arguments one by one and each of the three backward kernels passes them
-on the same way: a @triton.jit function takes only tensors (pointers), scalars and constexprs,
-so they cannot travel as one config object. Grouping them would lean on tuple arguments of
-newer Triton releases, untested on the two this code runs on (3.6 on the GPU machine, 3.8
-here), for no change in the generated code. The products after dz are written once
-(_hidden_grad_part, _weight_grad_part, _add_to) for the atomic and the batch-invariant kernels.
+Each kernel groups its flat launch arguments once into tuples (Triton takes tuples as jit
+arguments since 3.2; the GPU machine runs 3.6): the pointers of a tile's inputs, the problem's
+sizes and strides, the logit map; _logits_tile and _grad_tile take those whole. The products
+after dz are written once (_hidden_grad_part, _weight_grad_part, _add_to) for the atomic and
+the batch-invariant kernels.
 """
 
 import triton
@@ -89,11 +88,14 @@ def _add_to(out_ptr, index, count, kk, hidden_size, part):
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
-                 softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _logits_tile(operands, rows, cols, sizes, logit_map, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     """(BLOCK_N, BLOCK_V) float32 logits through the logit map (common.map_logits); -inf
-    outside the vocab."""
+    outside the vocab. operands: (h, w, b) pointers; sizes: (n_rows, vocab, hidden_size,
+    stride_h, stride_w); logit_map: (inv_temperature, softcap)."""
+    h_ptr, w_ptr, b_ptr = operands
+    n_rows, vocab, hidden_size, stride_h, stride_w = sizes
+    inv_temperature, softcap = logit_map
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_H)
     row_ok = rows[:, None] < n_rows
@@ -124,10 +126,11 @@ def linear_token_stats_kernel(
     s = tl.zeros((BLOCK_N,), tl.float32)
     a = tl.zeros((BLOCK_N,), tl.float32)
     z_target = tl.zeros((BLOCK_N,), tl.float32)
+    operands, sizes = (h_ptr, w_ptr, b_ptr), (n_rows, vocab, hidden_size, stride_h, stride_w)
     for v0 in range(0, vocab, BLOCK_V):
         idx = v0 + cols
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, idx, n_rows, vocab, hidden_size, stride_h, stride_w,
-                         inv_temperature, softcap, HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _logits_tile(operands, rows, idx, sizes, (inv_temperature, softcap), HAS_BIAS, HAS_SOFTCAP, IEEE,
+                         BLOCK_N, BLOCK_V, BLOCK_H)
         bm, bs, ba = block_softmax_stats(z, 1)
         m, s, a = merge_softmax_stats(m, s, a, bm, bs, ba)
         z_target += tl.sum(tl.where(idx[None, :] == target[:, None], z, 0.0), 1)
@@ -139,14 +142,17 @@ def linear_token_stats_kernel(
 
 @triton.jit
 def _grad_tile(
-    h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr,
-    rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature, softcap, filter_eps,
+    ptrs, rows, cols, sizes, logit_map, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, HAS_ROW_MASK: tl.constexpr, FILTER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """(dz, active) of one (rows, cols) tile: its float32 gradient, recomputed from the logits,
-    and whether its products are needed (always, unless FILTER)."""
+    and whether its products are needed (always, unless FILTER). ptrs: the pointers of
+    (h, w, b, targets, lse, entropy, grad_logp, grad_entropy, row_mask); sizes and logit_map as _logits_tile takes them."""
+    h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr = ptrs
+    n_rows, vocab = sizes[0], sizes[1]
+    inv_temperature, softcap = logit_map
     row_ok = rows < n_rows
     g = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0)
     hg = g
@@ -163,8 +169,8 @@ def _grad_tile(
     # A target < 0 is not bad here: it lives on another rank (no one-hot term); a target no
     # rank holds arrives as a NaN lse, set by the caller.
     make_nan, compute = row_rule(lse, False, g, hg, in_loss, HAS_ENTROPY_GRAD)
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w,
-                     inv_temperature, softcap, HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+    z = _logits_tile((h_ptr, w_ptr, b_ptr), rows, cols, sizes, logit_map, HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N,
+                     BLOCK_V, BLOCK_H)
     col_ok = cols[None, :] < vocab
     log_p = z - tl.where(compute, lse, 0.0)[:, None]
     dz, p = grad_term(log_p, g[:, None], hg[:, None], entropy[:, None], cols[None, :] == target[:, None],
@@ -197,10 +203,10 @@ def linear_grad_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-                            row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h, stride_w, inv_temperature,
-                            softcap, filter_eps, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK, FILTER, HAS_SOFTCAP, IEEE,
-                            BLOCK_N, BLOCK_V, BLOCK_H)
+    ptrs = (h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr)
+    sizes = (n_rows, vocab, hidden_size, stride_h, stride_w)
+    dz, active = _grad_tile(ptrs, rows, cols, sizes, (inv_temperature, softcap), filter_eps, HAS_BIAS,
+                            HAS_ENTROPY_GRAD, HAS_ROW_MASK, FILTER, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
     if active:
         # bfloat16 inputs: dz rounded once to their dtype for the tensor-core products (as
         # Liger and Cut Cross Entropy do); float32 and float16 inputs keep it in float32 (IEEE
@@ -239,12 +245,12 @@ def linear_hidden_grad_kernel(
     then follows only its own dz and the fixed tile shape, not the rows beside it."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_H)
+    ptrs = (h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr)
+    sizes = (n_rows, vocab, hidden_size, stride_h, stride_w)
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr,
-                                grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
-                                stride_w, inv_temperature, softcap, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK,
-                                False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+        dz, active = _grad_tile(ptrs, rows, cols, sizes, (inv_temperature, softcap), 0.0, HAS_BIAS, HAS_ENTROPY_GRAD,
+                                HAS_ROW_MASK, False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
         dz_in = _dz_operand(dz, h_ptr)
         for k0 in range(0, hidden_size, BLOCK_H):
             kk = k0 + ks
@@ -264,13 +270,13 @@ def linear_weight_grad_kernel(
     """d weight and d bias of one vocab tile: the row blocks' dz.T @ H added in row order."""
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     ks = tl.arange(0, BLOCK_H)
+    ptrs = (h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, row_mask_ptr)
+    sizes = (n_rows, vocab, hidden_size, stride_h, stride_w)
     bias_sum = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, n_rows, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
-        dz, active = _grad_tile(h_ptr, w_ptr, b_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr,
-                                grad_entropy_ptr, row_mask_ptr, rows, cols, n_rows, vocab, hidden_size, stride_h,
-                                stride_w, inv_temperature, softcap, 0.0, HAS_BIAS, HAS_ENTROPY_GRAD, HAS_ROW_MASK,
-                                False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
+        dz, active = _grad_tile(ptrs, rows, cols, sizes, (inv_temperature, softcap), 0.0, HAS_BIAS, HAS_ENTROPY_GRAD,
+                                HAS_ROW_MASK, False, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_H)
         if NEED_DB:
             bias_sum += tl.sum(dz, 0)
         if NEED_DW:
