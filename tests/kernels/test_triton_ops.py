@@ -58,3 +58,5 @@ def test_triton_kept_thresholds_refuses_bad_filters():
         kept_set_ops.kept_thresholds(logits, LogitMap(), 0, 0.0, 0.0)
     with pytest.raises(ValueError, match="min_p <= 1"):
         kept_set_ops.kept_thresholds(logits, LogitMap(), 0, 1.0, 1.5)
+    with pytest.raises(ValueError, match="empty vocab"):
+        kept_set_ops.kept_thresholds(logits[:, :0], LogitMap(), 5, 1.0, 0.0)

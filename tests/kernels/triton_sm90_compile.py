@@ -145,7 +145,7 @@ def compile_kept_set_kernel() -> int:
             S.kept_threshold_kernel,
             {"logits_ptr": f"*{dtype}", "out_ptr": "*fp32", "rows_per_batch": "i64", "stride_b": "i64",
              "stride_t": "i64", "vocab": "i32", "inv_temperature": "fp32", "softcap": "fp32", "top_k": "i32",
-             "top_p_ptr": "*fp64", "log_min_p": "fp32"},
+             "top_p_bits": "i64", "log_min_p": "fp32"},
             {"HAS_SOFTCAP": dtype == "bf16", "HAS_MIN_P": True, "HAS_TOP_K": True, "HAS_TOP_P": True,
              "KEY_SHIFT": shift, "PIVOTS": ops._PIVOTS, "BLOCK_V": ops._BLOCK_V},
             aligned=["logits_ptr", "stride_b", "stride_t", "vocab"],

@@ -52,7 +52,7 @@ def _pivots(lo, hi, PIVOTS: tl.constexpr):
 @triton.jit
 def kept_threshold_kernel(
     logits_ptr, out_ptr, rows_per_batch, stride_b, stride_t, vocab, inv_temperature, softcap,
-    top_k, top_p_ptr, log_min_p,
+    top_k, top_p_bits, log_min_p,
     HAS_SOFTCAP: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     KEY_SHIFT: tl.constexpr, PIVOTS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -122,7 +122,9 @@ def kept_threshold_kernel(
             live = (idx < vocab) & (_ordered_key(x, KEY_SHIFT) >= lower)
             e = tl.where(live, tl.exp(map_logits(x, inv_temperature, softcap, HAS_SOFTCAP) - z_max), 0.0)
             total += e.to(tl.float64)
-        target = tl.load(top_p_ptr) * tl.sum(total, 0)  # top_p in float64, as the CPU's selection takes it
+        # top_p in float64 (its bits, an int64 argument), as the CPU's selection takes it.
+        top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        target = top_p * tl.sum(total, 0)
         # The smallest key whose mass strictly above it is below target: (lo, hi] holds it, all
         # the mass lies above lo and none above the max.
         lo = lower - 1

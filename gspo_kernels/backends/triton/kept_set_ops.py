@@ -5,6 +5,7 @@ CPU tensors under the interpreter (token_stats/kept_set.py decides)."""
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -26,13 +27,17 @@ def _kept_thresholds_op(
     logits: torch.Tensor, inv_temperature: float, softcap: float, top_k: int, top_p: float, min_p: float,
 ) -> torch.Tensor:
     layout = RowLayout.of(logits)
+    if layout.vocab == 0:
+        raise ValueError("kept_thresholds: empty vocab dimension (a row with no logit has no kept set)")
     out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
-    if layout.rows and layout.vocab:
+    if layout.rows:
         has_top_k = 0 < top_k < layout.vocab
         kernels.kept_threshold_kernel[(layout.rows,)](
             logits, out, layout.rows_per_batch, layout.stride_b, layout.stride_t, layout.vocab,
             inv_temperature, softcap, top_k if has_top_k else 1,
-            torch.tensor([top_p], dtype=torch.float64, device=logits.device),
+            # top_p's float64 bits as an integer argument: a Python float reaches a kernel as
+            # float32, and a float64 tensor would be a host-to-device copy (no CUDA graph).
+            struct.unpack("<q", struct.pack("<d", top_p))[0],
             math.log(min_p) if min_p > 0.0 else 0.0,
             HAS_SOFTCAP=softcap > 0.0, HAS_MIN_P=min_p > 0.0, HAS_TOP_K=has_top_k, HAS_TOP_P=top_p < 1.0,
             KEY_SHIFT=_KEY_SHIFT[logits.dtype], PIVOTS=_PIVOTS,
