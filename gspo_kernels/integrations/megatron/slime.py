@@ -34,6 +34,7 @@ loss handles.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -57,6 +58,9 @@ def _refusal(args, cp_size: int) -> str | None:
         return "--advantage-estimator cispo"
     if cp_size > 1 and getattr(args, "allgather_cp", False):
         return "all-gather context parallelism (--allgather-cp)"
+    tis = getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False)
+    if tis and not getattr(args, "tis_clip_low", 0.0) < getattr(args, "tis_clip", math.inf):
+        return "--tis-clip-low at or above --tis-clip (a TIS weight clamped to an empty range)"
     return None
 
 
@@ -124,8 +128,9 @@ def _tis(args, batch, train_old, report, reduce):
     if not batch.get("rollout_log_probs"):
         raise ValueError("--use-tis and --get-mismatch-metrics need the batch's rollout_log_probs")
     rollout = torch.cat(batch["rollout_log_probs"]).float()
-    truncate = GSPOConfig(rollout_correction="token-truncate", rollout_is_min=args.tis_clip_low,
-                          rollout_is_max=args.tis_clip)
+    # A bound at or below 0 (the weights are positive) or at +inf clamps nothing: no bound.
+    truncate = GSPOConfig(rollout_correction="token-truncate", rollout_is_min=max(args.tis_clip_low, 0.0),
+                          rollout_is_max=None if math.isinf(args.tis_clip) else args.tis_clip)
     # Token modes read neither the sequences nor their lengths.
     weights, _ = rollout_weights(truncate, None, torch.ones_like(train_old, dtype=torch.bool), None, train_old, rollout)
     tis = torch.exp(train_old - rollout)

@@ -111,3 +111,22 @@ def test_unsupported_slime_options_are_refused_by_name(results, name):
     flag = {"custom_tis_function_path": "--custom-tis-function-path", "rollout_top_p": "--rollout-top-p",
             "custom_pg_loss_reducer_function_path": "--custom-pg-loss-reducer-function-path", "cispo": "cispo"}[name]
     assert flag in message
+
+
+@pytest.mark.parametrize("bounds", [(0.0, 2.0), (-1.0, 2.0), (0.5, float("inf")), (0.0, float("inf")), (0.99, 1.02)])
+def test_tis_takes_every_range_slime_clamps_to(bounds):
+    """The package's token-truncate correction under slime's TIS bounds gives slime's
+    clamp(exp(old - rollout), tis_clip_low, tis_clip) for every non-empty range slime accepts (a
+    bound at or below 0, or +inf, clamps nothing); an empty range is refused by name."""
+    from types import SimpleNamespace
+
+    from gspo_kernels.integrations.megatron import slime
+
+    low, high = bounds
+    rollout = torch.tensor([-1.0, -2.0, -0.5, -0.1])
+    old = torch.tensor([-0.2, -3.0, -0.5, -4.0])
+    report = {}
+    weights = slime._tis(SimpleNamespace(tis_clip_low=low, tis_clip=high), {"rollout_log_probs": [rollout]}, old,
+                         report, lambda x: x.sum())
+    assert torch.equal(weights, torch.exp(old - rollout).clamp(low, high))
+    assert "empty range" in slime._refusal(SimpleNamespace(use_tis=True, tis_clip_low=high, tis_clip=high), 1)
