@@ -97,27 +97,51 @@ def check_docs(distributed: dict, pages=PAGES) -> list[str]:
 
 
 # A measured figure as a page quotes it: a number and its unit (times, memory, ratios, shares).
-FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(ms|s|MiB|GB/s|x|%)(?!\w)")
+FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(ms|s|min|MiB|GiB|GB/s|GB|x|%)(?!\w)")
 # The pages that hold measured figures; README quotes them and must quote them as they are held.
 HOLDERS = (ROOT / "benchmarks" / "RESULTS.md", ROOT / "docs" / "performance.md")
 QUOTING = (ROOT / "README.md",)
 
 
+# How a table's header names a column of each unit.
+_HEADER_UNIT = {"ms": r"\bms\b", "s": r"\bs\b|seconds", "min": r"\bmin\b", "MiB": r"MiB", "GiB": r"GiB",
+                "GB/s": r"GB/s", "GB": r"\bGB\b", "x": r"\bx\b|\bvs\b|speed-up|ratio", "%": r"%"}
+
+
+def _table_cells(text: str):
+    """(header line, cell text) of every body cell of every Markdown table in `text`."""
+    header = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+        elif header is None:
+            header = line
+        elif not re.fullmatch(r"[|\s:-]+", line):
+            for cell in line.strip("|").split("|"):
+                yield header, cell.strip()
+
+
 def _held(value: str, unit: str, text: str) -> bool:
-    """Whether `text` holds the figure: with its unit, or as a table cell's number (a table states
-    its unit in the header)."""
-    if f"{value} {unit}" in text or f"{value}{unit}" in text:
+    """Whether `text` holds the figure: the same number (not the end or start of a longer one)
+    with its unit, or alone in a table cell (with at most a parenthesised note) of a table whose
+    header names the unit."""
+    if re.search(rf"(?<![\w.]){re.escape(value)} ?{re.escape(unit)}(?!\w)", text):
         return True
-    return re.search(rf"\|[^|\n]*(?<![\w.]){re.escape(value)}(?![\w.]|\.\d)[^|\n]*\|", text) is not None
+    alone = re.compile(rf"\**{re.escape(value)}\**(?:\s*\([^)]*\))?")
+    return any(alone.fullmatch(cell) and re.search(_HEADER_UNIT[unit], header) for header, cell in _table_cells(text))
 
 
 def unheld_figures(quoting=QUOTING, holders=HOLDERS) -> list[str]:
     """The figures `quoting` pages state that no holder page holds: a rounded, stale or typed
-    figure where the page should quote the measured one (or link to it)."""
+    figure where the page should quote the measured one (or link to it). A figure written with
+    "~" before it is an estimate (arithmetic, not a measurement) and is not checked."""
     held = "\n".join(pathlib.Path(p).read_text() for p in holders)
     problems = []
     for page in map(pathlib.Path, quoting):
-        for match in FIGURE.finditer(page.read_text()):
+        text = page.read_text()
+        for match in FIGURE.finditer(text):
+            if text[max(match.start() - 1, 0)] == "~":
+                continue
             if not _held(*match.groups(), held):
                 problems.append(f"{page.name}: {match.group(0)!r} is held by none of "
                                 f"{', '.join(pathlib.Path(h).name for h in holders)}")
