@@ -17,7 +17,8 @@ advantage estimator), tis slime's vanilla truncated importance weight (with --us
 Both are the package's own corrections (sequence/corrections.py) under slime's options: TIS is
 rollout_correction='token-truncate' between tis_clip_low and tis_clip on the trainer's old
 log-probs (a NaN rollout log-prob counts as no correction there, where slime's weight is NaN),
-OPSM is off_policy_mask_threshold=opsm_delta on the whole responses.
+OPSM is off_policy_mask_threshold=opsm_delta on the whole responses (its sequence mean takes a
+NaN old - new log-prob difference as 0, and is summed in float32 where slime's is in float64).
 R is linear, so its weight on each token is read once, by autograd on a zero vector, and handed
 to policy_loss, times tis and opsm, as token_weights with loss_agg='token-sum': whatever
 denominators slime put in R (per sample, per rollout group) hold exactly.
