@@ -72,38 +72,29 @@ def _schema_names(op) -> list[str]:
     return [a.name for a in op.default._schema.arguments]
 
 
-def _ops_taking_grad_inputs():
+def _schemas_taking_inputs():
+    """(op, the names after `logits` its schema must have): the gradient ops take GradInputs'
+    op_args, the stats ops StatsInputs'."""
     ops = []
     if backends.native_available():
-        ops += [torch.ops.gspo_kernels.logits_grad, torch.ops.gspo_kernels.logits_grad_]
+        ops += [(torch.ops.gspo_kernels.logits_grad, OP_ARG_NAMES), (torch.ops.gspo_kernels.logits_grad_, OP_ARG_NAMES),
+                (torch.ops.gspo_kernels.token_stats, STATS_OP_ARG_NAMES)]
     if backends.triton_backend is not None:
-        ops += [torch.ops.gspo_kernels.triton_logits_grad, torch.ops.gspo_kernels.triton_logits_grad_]
+        ops += [(torch.ops.gspo_kernels.triton_logits_grad, OP_ARG_NAMES),
+                (torch.ops.gspo_kernels.triton_logits_grad_, OP_ARG_NAMES),
+                (torch.ops.gspo_kernels.triton_token_stats, STATS_OP_ARG_NAMES)]
     return ops
 
 
-@pytest.mark.parametrize("op", _ops_taking_grad_inputs(), ids=lambda op: op._qualified_op_name)
-def test_every_gradient_schema_takes_the_op_args_in_order(op):
-    assert _schema_names(op) == ["logits", *OP_ARG_NAMES]
+@pytest.mark.parametrize("op, names", _schemas_taking_inputs(), ids=lambda x: getattr(x, "_qualified_op_name", ""))
+def test_every_schema_takes_its_inputs_op_args_in_order(op, names):
+    assert _schema_names(op) == ["logits", *names]
 
 
 def test_stats_inputs_op_args_follow_the_names():
     inputs = StatsInputs(targets=object(), logit_map=LogitMap(0.75, 3.5), kept_min=object())
     values = dict(targets=inputs.targets, inv_temperature=0.75, softcap=3.5, kept_min=inputs.kept_min)
     assert [values[name] for name in STATS_OP_ARG_NAMES] == list(inputs.op_args())
-
-
-def _stats_ops():
-    ops = []
-    if backends.native_available():
-        ops.append(torch.ops.gspo_kernels.token_stats)
-    if backends.triton_backend is not None:
-        ops.append(torch.ops.gspo_kernels.triton_token_stats)
-    return ops
-
-
-@pytest.mark.parametrize("op", _stats_ops(), ids=lambda op: op._qualified_op_name)
-def test_every_stats_schema_takes_the_op_args_in_order(op):
-    assert _schema_names(op) == ["logits", *STATS_OP_ARG_NAMES]
 
 
 def test_the_stats_and_selection_schemas_take_the_map_by_its_names():
