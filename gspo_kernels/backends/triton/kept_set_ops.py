@@ -56,7 +56,6 @@ def kept_thresholds(logits, logit_map, top_k, top_p, min_p):
     none, top_p 1 for none, min_p 0 for none; kept_set.kept_thresholds' rules."""
     if not (top_p > 0.0 and min_p <= 1.0):
         raise ValueError(f"top_p must be > 0 and min_p <= 1; got {top_p} and {min_p}")
-    # A threshold is a selection, not a function to differentiate: no autograd node.
     inv_temperature, softcap = logit_map.op_args()
-    return _kept_thresholds_op(with_unit_vocab_stride(logits.detach()), float(inv_temperature), float(softcap), int(top_k),
+    return _kept_thresholds_op(with_unit_vocab_stride(logits), float(inv_temperature), float(softcap), int(top_k),
                                float(top_p), float(min_p))
