@@ -10,6 +10,7 @@ problems and their parallel splits, verification, tiny models), bench/ and cli/ 
 
 from . import distributed
 from .config import GSPOConfig, LinearConfig
+from .inputs.kept_tokens import KeptTokens
 from .linear import FusedLinearGSPOLoss, fused_linear_gspo_loss, fused_linear_selective_log_softmax
 from .loss import GSPOLoss, gspo_loss
 from .policy_loss import policy_loss
@@ -22,6 +23,7 @@ __all__ = [
     "FusedLinearGSPOLoss",
     "GSPOConfig",
     "GSPOLoss",
+    "KeptTokens",
     "LinearConfig",
     "distributed",
     "fused_linear_gspo_loss",

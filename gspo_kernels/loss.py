@@ -21,7 +21,8 @@ def _gspo_loss_with_config(config: GSPOConfig, logits, target_ids, old_logprobs,
     backend_name = backends.resolve(config.backend, logits.device, logits.dtype)
     logit_map = config.logit_map
     logp, entropy = token_stats(logits, batch.targets, logit_map, backend_name, config.inplace,
-                                batch.row_mask, tp_slice, SamplingFilter.of(config), call.sampling_threshold)
+                                batch.row_mask, tp_slice, SamplingFilter.of(config), call.sampling_threshold,
+                                call.kept_tokens)
     return gspo_objective(config, batch, logp, entropy)
 
 
@@ -41,6 +42,7 @@ def gspo_loss(
     vocab_start: int | None = None,
     cp_group=None,
     sampling_threshold: torch.Tensor | None = None,
+    kept_tokens=None,
     config: GSPOConfig | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -66,10 +68,13 @@ def gspo_loss(
     of V starting at vocab_start, default rank * V_local; global target ids), cp_group for
     context parallelism (this rank's part of every sequence). Every rank then returns the
     loss and metrics of the whole problem, and its gradient is its slice of the whole one.
+
+    kept_tokens (a KeptTokens): the engine's kept set of every token row; the log-probs (and
+    entropies) are then those of the softmax over each set (selective_log_softmax).
     """
     call = CallInputs(mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                       normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group, tp_group=tp_group,
-                      vocab_start=vocab_start, sampling_threshold=sampling_threshold)
+                      vocab_start=vocab_start, sampling_threshold=sampling_threshold, kept_tokens=kept_tokens)
     return _gspo_loss_with_config(resolve_config(config, options), logits, target_ids, old_logprobs, advantages, call)
 
 
@@ -87,7 +92,7 @@ class GSPOLoss(torch.nn.Module):
     def forward(self, logits, target_ids, old_logprobs, advantages, **tensors):
         """Takes gspo_loss's per-call keywords: mask, cu_seqlens, ref_logprobs,
         rollout_logprobs, normalizer, entropy_threshold, tp_group, vocab_start, cp_group,
-        sampling_threshold."""
+        sampling_threshold, kept_tokens."""
         call = CallInputs.of("GSPOLoss", tensors, refused=("token_weights",))
         return _gspo_loss_with_config(self.config, logits, target_ids, old_logprobs, advantages, call)
 

@@ -17,7 +17,8 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
 
 # The ops the package calls: an extension built from older sources lacks some, and is refused
 # whole (with the reason) rather than failing at a first call.
-OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand")
+OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand", "kept_group",
+       "kept_dots", "kept_hidden_grad", "kept_weight_grad")
 if _C is not None:
     _missing = [op for op in OPS if not hasattr(torch.ops.gspo_kernels, op)]
     if _missing:
@@ -50,6 +51,23 @@ if _C is not None:
     def _(logits, inv_temperature, softcap, top_k, top_p, min_p):
         return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
 
+    @torch.library.register_fake("gspo_kernels::kept_group")
+    def _(row_offsets, ids, vocab, block_rows):
+        blocks = max(1, -(-(row_offsets.shape[0] - 1) // block_rows))
+        return torch.empty_like(ids), ids.new_empty((blocks * vocab + 1,))
+
+    @torch.library.register_fake("gspo_kernels::kept_dots")
+    def _(hidden, weight, offsets, order, row_index, block_rows):
+        return hidden.new_empty(order.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("gspo_kernels::kept_hidden_grad")
+    def _(dx, weight, offsets, order, row_index, rows, block_rows, round):
+        return weight.new_empty((rows, weight.shape[1]), dtype=weight.dtype if round else torch.float32)
+
+    @torch.library.register_fake("gspo_kernels::kept_weight_grad")
+    def _(dx, hidden, offsets, order, row_index, vocab, block_rows):
+        return hidden.new_empty((vocab, hidden.shape[1])), hidden.new_empty((vocab,), dtype=torch.float32)
+
     @torch.library.register_fake("gspo_kernels::logits_grad_")
     def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap=0.0,
           kept_min=None):
@@ -74,3 +92,20 @@ def logits_grad(logits, inputs: GradInputs):
 def logits_grad_(logits, inputs: GradInputs):
     torch.ops.gspo_kernels.logits_grad_(logits, *inputs.op_args())
     return logits
+
+
+# The kept-rows products of fused linear (csrc/cpu/kept_products.cpp; linear/kept_products.py).
+def kept_group(row_offsets, ids, vocab: int, block_rows: int):
+    return torch.ops.gspo_kernels.kept_group(row_offsets, ids, vocab, block_rows)
+
+
+def kept_dots(hidden, weight, offsets, order, row_index, block_rows: int):
+    return torch.ops.gspo_kernels.kept_dots(hidden, weight, offsets, order, row_index, block_rows)
+
+
+def kept_hidden_grad(dx, weight, offsets, order, row_index, rows: int, block_rows: int, round_: bool):
+    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, offsets, order, row_index, rows, block_rows, round_)
+
+
+def kept_weight_grad(dx, hidden, offsets, order, row_index, vocab: int, block_rows: int):
+    return torch.ops.gspo_kernels.kept_weight_grad(dx, hidden, offsets, order, row_index, vocab, block_rows)

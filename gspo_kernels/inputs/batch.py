@@ -181,6 +181,7 @@ class CallInputs:
     tp_group: object = None  # read by stage 1 (the vocab slice), not by prepare_batch
     vocab_start: object = None
     sampling_threshold: object = None  # stage 1: per token, the smallest raw logit the sampler kept
+    kept_tokens: object = None  # stage 1: the engine's kept sets (a KeptTokens)
 
     @staticmethod
     def of(entry: str, keywords: dict, refused: tuple = ()) -> "CallInputs":

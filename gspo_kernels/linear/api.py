@@ -17,7 +17,9 @@ from ..inputs.batch import CallInputs, prepare_batch
 from ..inputs.checks import TokenLayout, check_mask, check_targets
 from ..config.logit_map import LogitMap
 from ..sequence.gspo_objective import gspo_objective
+from ..token_stats.on_kept_tokens import check_kept_tokens, no_other_kept_set
 from .chunked import FusedLinearTokenStats
+from .kept_rows import KeptRowsTokenStats
 from .one_pass import OnePassLoss, one_pass_loss
 from .plan import LinearPlan
 from .tiled import TiledLinearTokenStats
@@ -51,7 +53,10 @@ def _check_linear(hidden, weight, bias):
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-def _token_stats(rows, weight, bias, targets, row_mask, plan: LinearPlan):
+def _token_stats(rows, weight, bias, targets, row_mask, plan: LinearPlan, kept_tokens=None):
+    if kept_tokens is not None:
+        target_pos = check_kept_tokens(kept_tokens, targets, row_mask, weight.shape[0], plan.tp_slice)
+        return KeptRowsTokenStats.apply(rows, weight, bias, targets, row_mask, plan, kept_tokens, target_pos)
     function = TiledLinearTokenStats if plan.linear.fused else FusedLinearTokenStats
     return function.apply(rows, weight, bias, targets, row_mask, plan)
 
@@ -59,7 +64,7 @@ def _token_stats(rows, weight, bias, targets, row_mask, plan: LinearPlan):
 def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages, *, bias=None, mask=None,
                            cu_seqlens=None, ref_logprobs=None, rollout_logprobs=None, normalizer=None,
                            entropy_threshold=None, tp_group=None, vocab_start=None, cp_group=None,
-                           config=None, linear: LinearConfig | None = None, **options):
+                           kept_tokens=None, config=None, linear: LinearConfig | None = None, **options):
     """gspo_loss on the logits `hidden @ weight.T + bias`, never holding them whole.
 
     hidden: `(B, T, H)` or `(N, H)` (strided rows such as `hidden[:, :-1]` are copied once into
@@ -79,6 +84,10 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     fused=True: the Triton kernels with the logits only in on-chip tiles (CUDA tensors, or CPU
     tensors under TRITON_INTERPRET=1): float32 atomics in backward (not bit-reproducible).
     grad_filter_eps > 0 turns on gradient filtering (docs/fused_linear.md, "Gradient filtering").
+
+    kept_tokens (a KeptTokens, as in gspo_loss): only the weight rows of each token's kept ids
+    are multiplied, N k H multiply-adds in place of N V H (docs/fused_linear.md, "The engine's
+    kept sets"); chunk_size, fused, schedule and grad_filter_eps do not apply then.
     """
     linear, options = split_linear_options(linear, options)
     config = resolve_config(config, options)
@@ -86,16 +95,17 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
     call = CallInputs(mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                       normalizer=normalizer, entropy_threshold=entropy_threshold, cp_group=cp_group, tp_group=tp_group,
-                      vocab_start=vocab_start)
+                      vocab_start=vocab_start, kept_tokens=kept_tokens)
     batch = prepare_batch(config, layout, target_ids, old_logprobs, advantages, call)
+    no_other_kept_set(kept_tokens, SamplingFilter.of(config), None)
     plan = LinearPlan.of(linear, config.logit_map, config.backend, rows, weight, tp_group, vocab_start,
                          SamplingFilter.of(config))
-    groups = plan.schedule(config, batch)
+    groups = None if kept_tokens is not None else plan.schedule(config, batch)
     if groups is not None:
         loss, metrics = one_pass_loss(rows, weight, bias, plan, OnePassLoss(config, batch, groups))
     else:
         row_mask = None if batch.row_mask is None else batch.row_mask.reshape(-1)
-        logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, plan)
+        logp, entropy = _token_stats(rows, weight, bias, batch.targets.reshape(-1), row_mask, plan, kept_tokens)
         loss, metrics = gspo_objective(config, batch, logp.view(batch.token_shape), entropy.view(batch.token_shape))
     # The schedule that ran, as a number a trainer's logger takes (docs/fused_linear.md, "Schedules").
     metrics["fused_linear_one_pass"] = torch.full((), float(groups is not None), device=hidden.device)
@@ -105,12 +115,13 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
                                        return_entropy=False, backend="auto", mask=None, tp_group=None,
                                        vocab_start=None, logit_scale=1.0, logit_softcap=None, sampling_top_k=None,
-                                       sampling_top_p=None, sampling_min_p=None, linear: LinearConfig | None = None,
-                                       **linear_options):
+                                       sampling_top_p=None, sampling_min_p=None, kept_tokens=None,
+                                       linear: LinearConfig | None = None, **linear_options):
     """selective_log_softmax on the logits `hidden @ weight.T + bias` (with the model's
     logit_scale and logit_softcap), chunk by chunk, with the full backward (entropy gradient
     included) to hidden, weight and bias. tp_group, vocab_start and the LinearConfig options as
-    in fused_linear_gspo_loss; the sampling options as in selective_log_softmax (chunked path only)."""
+    in fused_linear_gspo_loss; the sampling options as in selective_log_softmax (chunked path only);
+    kept_tokens as in fused_linear_gspo_loss."""
     linear = resolve_config(linear, linear_options, LinearConfig)
     check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
     logit_map = LogitMap.of(check_temperature(temperature), check_logit_scale(logit_scale),
@@ -120,9 +131,10 @@ def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None,
     layout = TokenLayout(hidden.shape[:-1], hidden.device)
     targets_flat = check_targets(target_ids, layout).reshape(-1)
     row_mask = None if mask is None else check_mask(mask, layout).reshape(-1)
-    plan = LinearPlan.of(linear, logit_map, backend, rows, weight, tp_group, vocab_start,
-                         SamplingFilter(sampling_top_k, sampling_top_p, sampling_min_p))
-    logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, plan)
+    sampling = SamplingFilter(sampling_top_k, sampling_top_p, sampling_min_p)
+    no_other_kept_set(kept_tokens, sampling, None)
+    plan = LinearPlan.of(linear, logit_map, backend, rows, weight, tp_group, vocab_start, sampling)
+    logp, entropy = _token_stats(rows, weight, bias, targets_flat, row_mask, plan, kept_tokens)
     logp = logp.reshape(target_ids.shape)
     return (logp, entropy.reshape(target_ids.shape)) if return_entropy else logp
 

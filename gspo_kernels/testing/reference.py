@@ -44,7 +44,7 @@ def sampler_kept(z, top_k=None, top_p=None, min_p=None, order=None):
 
 
 def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale=1.0, logit_softcap=None,
-                                sampling=None, sampling_threshold=None):
+                                sampling=None, sampling_threshold=None, kept_tokens=None):
     rows = logits.double().reshape(-1, logits.shape[-1])
     # Rows outside the response keep their values (reported in the metrics) but pass no
     # gradient, whatever they hold: NaN logits or a -100 pad id there cost nothing.
@@ -64,6 +64,10 @@ def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, lo
         rows = torch.where(sampler_kept(rows.detach(), *sampling, order=raw), rows, torch.full_like(rows, -math.inf))
     elif sampling_threshold is not None:
         kept = raw >= sampling_threshold.reshape(-1, 1).double().to(raw.device)
+        rows = torch.where(kept, rows, torch.full_like(rows, -math.inf))
+    elif kept_tokens is not None:  # the engine's sets: the listed ids of each row
+        kept = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+        kept[kept_tokens.row_index.to(rows.device), kept_tokens.token_ids.to(rows.device)] = True
         rows = torch.where(kept, rows, torch.full_like(rows, -math.inf))
     log_probs = torch.log_softmax(rows, dim=-1)
     probs = log_probs.exp()
@@ -210,8 +214,8 @@ class _Call:
 
 
 def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seqlens=None, ref_logprobs=None,
-              rollout_logprobs=None, normalizer=None, entropy_threshold=None, sampling_threshold=None, config=None,
-              **options):
+              rollout_logprobs=None, normalizer=None, entropy_threshold=None, sampling_threshold=None, kept_tokens=None,
+              config=None, **options):
     """Same signature and meaning as gspo_kernels.gspo_loss; backend and inplace are ignored.
 
     Returns a float64 loss (differentiable w.r.t. logits) and float64 metrics."""
@@ -220,7 +224,7 @@ def gspo_loss(logits, target_ids, old_logprobs, advantages, *, mask=None, cu_seq
                     None, normalizer, entropy_threshold)
     logp, entropy = _token_logprobs_and_entropy(
         logits, target_ids, cfg.temperature, call.in_response, cfg.logit_scale, cfg.logit_softcap,
-        (cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p), sampling_threshold)
+        (cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p), sampling_threshold, kept_tokens)
     return _objective(cfg, call, logp, entropy)
 
 
@@ -243,14 +247,14 @@ def policy_loss(logprobs, old_logprobs, advantages, *, mask=None, cu_seqlens=Non
 
 def selective_log_softmax(logits, target_ids, temperature=1.0, return_entropy=False, *, mask=None,
                           logit_scale=1.0, logit_softcap=None, sampling_top_k=None, sampling_top_p=None,
-                          sampling_min_p=None, sampling_threshold=None):
+                          sampling_min_p=None, sampling_threshold=None, kept_tokens=None):
     """gspo_kernels.selective_log_softmax in float64 with plain autograd: (logp, entropy) shaped
     like target_ids; rows outside mask pass no gradient."""
     in_response = (torch.ones(target_ids.numel(), dtype=torch.bool) if mask is None
                    else mask.reshape(-1).cpu() != 0)
     logp, entropy = _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, logit_scale,
                                                  logit_softcap, (sampling_top_k, sampling_top_p, sampling_min_p),
-                                                 sampling_threshold)
+                                                 sampling_threshold, kept_tokens)
     logp, entropy = logp.reshape(target_ids.shape), entropy.reshape(target_ids.shape)
     return (logp, entropy) if return_entropy else logp
 
@@ -275,12 +279,13 @@ def fused_linear_gspo_loss(hidden, weight, target_ids, old_logprobs, advantages,
 
 def fused_linear_selective_log_softmax(hidden, weight, target_ids, *, bias=None, temperature=1.0,
                                        return_entropy=False, mask=None, logit_scale=1.0, logit_softcap=None,
-                                       sampling_top_k=None, sampling_top_p=None, sampling_min_p=None, **ignored):
+                                       sampling_top_k=None, sampling_top_p=None, sampling_min_p=None, kept_tokens=None,
+                                       **ignored):
     """gspo_kernels.fused_linear_selective_log_softmax in float64 (how-it-runs options ignored)."""
     return selective_log_softmax(_linear_logits(hidden, weight, bias), target_ids, temperature, return_entropy,
                                  mask=mask, logit_scale=logit_scale, logit_softcap=logit_softcap,
                                  sampling_top_k=sampling_top_k, sampling_top_p=sampling_top_p,
-                                 sampling_min_p=sampling_min_p)
+                                 sampling_min_p=sampling_min_p, kept_tokens=kept_tokens)
 
 
 def _objective(cfg: GSPOConfig, call: _Call, logp, entropy):

@@ -20,6 +20,7 @@ from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
 from ..config.logit_map import LogitMap
 from .kept_set import SamplingFilter, kept_thresholds
+from .on_kept_tokens import kept_token_stats, no_other_kept_set
 from .upstream import upstream_grads
 from .slice_grad import slice_logits_grad
 
@@ -78,12 +79,17 @@ class TokenStatsFunction(torch.autograd.Function):
 
 def token_stats(logits, targets, logit_map: LogitMap, backend_name: str, inplace: bool = False,
                 row_mask: torch.Tensor | None = None, tp_slice: VocabSlice | None = None,
-                sampling: SamplingFilter | None = None, sampling_threshold: torch.Tensor | None = None):
+                sampling: SamplingFilter | None = None, sampling_threshold: torch.Tensor | None = None,
+                kept_tokens=None):
     """Stage 1 with autograd: logp and entropy in float32 (float64 for float64 logits) of the
     targets' shape (contiguous int64: the token shape or `[N]` rows). With a vocab slice (tp_slice) the
     logits are this rank's slice and the results are the global ones. sampling (or a given
     sampling_threshold, the raw logits' per-token minimum kept): the log-probs and entropies of
-    the sampler's kept set (kept_set.py)."""
+    the sampler's kept set (kept_set.py); kept_tokens (a KeptTokens): those of the engine's own
+    sets (on_kept_tokens.py)."""
+    if kept_tokens is not None:
+        no_other_kept_set(kept_tokens, sampling, sampling_threshold)
+        return kept_token_stats(logits, targets, logit_map, kept_tokens, inplace, row_mask, tp_slice)
     kept_min = sampling_kept_min(logits, targets.shape, logit_map, sampling, sampling_threshold, tp_slice,
                                  backend_name)
     return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice, kept_min)
@@ -131,6 +137,7 @@ def selective_log_softmax(
     sampling_top_p: float | None = None,
     sampling_min_p: float | None = None,
     sampling_threshold: torch.Tensor | None = None,
+    kept_tokens=None,
 ):
     """log_softmax(softcap(logits * logit_scale) / temperature) gathered at target_ids, without
     a `[N, V]` buffer. logit_scale and logit_softcap (c: y -> c * tanh(y / c)) are what the
@@ -158,6 +165,11 @@ def selective_log_softmax(
     (per token, the smallest raw logit the sampler kept): log-probs and entropies of the
     distribution the engine sampled from, the softmax renormalised over the kept tokens
     (docs/semantics.md, "The sampler's kept set"); a target outside it gets a -inf log-prob.
+
+    kept_tokens (a KeptTokens: per token row, the ids the engine's sampler kept, as vLLM and
+    SGLang report them): the same over those sets exactly (docs/semantics.md, "The engine's kept
+    sets"); O(nnz) work, only the kept logits get a gradient, and a row in the loss whose target
+    is not in its set is an error.
     """
     check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
     logit_map = LogitMap.of(check_temperature(temperature), check_logit_scale(logit_scale),
@@ -169,5 +181,6 @@ def selective_log_softmax(
     resolved = backends.resolve(backend, logits.device, logits.dtype)
     tp_slice = VocabSlice.of_rank(tp_group, vocab_start, logits.shape[-1])
     logp, entropy = token_stats(logits, targets, logit_map, resolved, inplace, row_mask, tp_slice,
-                                SamplingFilter(sampling_top_k, sampling_top_p, sampling_min_p), sampling_threshold)
+                                SamplingFilter(sampling_top_k, sampling_top_p, sampling_min_p), sampling_threshold,
+                                kept_tokens)
     return (logp, entropy) if return_entropy else logp

@@ -1,0 +1,128 @@
+"""The three products of the kept-rows path, over the entries of the kept sets only (N k H
+multiply-adds, not N V H):
+
+    logits       x_e       = hidden[row_e] . weight[id_e]          (nnz,)
+    d hidden     dh_r      = sum_{e in row r} dx_e weight[id_e]    (N, H)
+    d weight     dW_v      = sum_{e with id v} dx_e hidden[row_e]  (V, H), and d bias
+
+in float32 (float64 for float64 operands), each sum in a fixed order, rounded once: no atomics,
+the same bits for the same sets. On a CPU they are C++ (csrc/cpu/kept_products.cpp: the entries
+grouped by block of rows and id, so that each weight row is read once per block and the block's
+hidden rows stay in cache). Other devices and float64 take PyTorch ops, a slab of entries at a
+time (a gathered copy of the slab's weight and hidden rows), with the entries sorted by id for
+d weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import native_backend
+from ..token_stats.kept_softmax import KeptEntries
+
+_SLAB_BYTES = 64 << 20  # float32 gathered rows per slab of the PyTorch ops
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _native(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype != torch.float64 and native_backend.load_error() is None
+
+
+def _slabs(offsets: torch.Tensor, width: int):
+    """Row ranges [a, b) of a CSR, with their entry ranges [e0, e1), each about _SLAB_BYTES of
+    float32 rows of `width` (a row with more entries is a slab of its own)."""
+    per_slab = max(1, _SLAB_BYTES // (4 * max(width, 1)))
+    rows, nnz = offsets.numel() - 1, int(offsets[-1])
+    cuts = []
+    if nnz > per_slab:
+        marks = torch.arange(per_slab, nnz, per_slab, device=offsets.device)
+        cuts = (torch.searchsorted(offsets, marks, right=True) - 1).tolist()  # the row holding each mark
+    bounds = sorted({0, rows, *cuts})
+    starts = offsets[bounds].tolist()
+    for i in range(len(bounds) - 1):
+        if bounds[i + 1] > bounds[i]:
+            yield bounds[i], bounds[i + 1], starts[i], starts[i + 1]
+
+
+def block_rows(hidden: torch.Tensor) -> int:
+    """Hidden rows per block of the C++ products: about 256 KiB of them (a core's L2 holds them
+    while the weight streams; 256 KiB measured faster than 128 KiB, 512 KiB and 1 MiB for the
+    logits and d hidden on a 2-core AMX Xeon, H = 512 bf16), and no more than a thread's share
+    of the rows. The bits do not depend on it (csrc/cpu/kept_products.cpp)."""
+    rows, width = hidden.shape
+    by_cache = max(1, (256 << 10) // (width * hidden.element_size()))
+    by_threads = -(-rows // max(1, torch.get_num_threads()))
+    return max(1, min(by_cache, by_threads))
+
+
+class KeptProducts:
+    """The products of one call's entries: NativeKeptProducts on a CPU, TorchKeptProducts elsewhere."""
+
+    @staticmethod
+    def of(entries: KeptEntries, hidden: torch.Tensor, weight: torch.Tensor) -> "KeptProducts":
+        if _native(hidden):
+            return NativeKeptProducts(entries, hidden, weight)
+        return TorchKeptProducts(entries, hidden, weight)
+
+
+class NativeKeptProducts(KeptProducts):
+    def __init__(self, entries: KeptEntries, hidden, weight) -> None:
+        self.entries, self.hidden, self.weight = entries, hidden, weight
+        self.block_rows = block_rows(hidden)
+        self.order, self.offsets = native_backend.kept_group(entries.offsets, entries.ids, weight.shape[0],
+                                                             self.block_rows)
+
+    def _groups(self) -> tuple:
+        return self.offsets, self.order, self.entries.row_index
+
+    def logits(self, bias) -> torch.Tensor:
+        x = native_backend.kept_dots(self.hidden, self.weight, *self._groups(), self.block_rows)
+        return x if bias is None else x + bias[self.entries.ids].to(x.dtype)
+
+    def hidden_grad(self, dx, round_: bool) -> torch.Tensor:
+        return native_backend.kept_hidden_grad(dx, self.weight, *self._groups(), self.entries.rows, self.block_rows,
+                                               round_)
+
+    def weight_grad(self, dx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d weight in the weight's dtype, d bias in float32)."""
+        return native_backend.kept_weight_grad(dx, self.hidden, *self._groups(), self.weight.shape[0],
+                                               self.block_rows)
+
+
+class TorchKeptProducts(KeptProducts):
+    def __init__(self, entries: KeptEntries, hidden, weight) -> None:
+        self.entries, self.hidden, self.weight = entries, hidden, weight
+        self.dtype = _compute_dtype(hidden)
+
+    def logits(self, bias) -> torch.Tensor:
+        entries, hidden = self.entries, self.hidden
+        x = torch.empty(entries.ids.numel(), dtype=self.dtype, device=hidden.device)
+        for _, _, e0, e1 in _slabs(entries.offsets, 2 * hidden.shape[1]):
+            w = self.weight[entries.ids[e0:e1]].to(self.dtype)
+            h = hidden[entries.row_index[e0:e1]].to(self.dtype)
+            x[e0:e1] = (w * h).sum(-1)
+        return x if bias is None else x + bias[entries.ids].to(x.dtype)
+
+    def hidden_grad(self, dx, round_: bool) -> torch.Tensor:
+        entries, weight = self.entries, self.weight
+        out = torch.zeros(entries.rows, weight.shape[1], dtype=dx.dtype, device=dx.device)
+        for a, b, e0, e1 in _slabs(entries.offsets, weight.shape[1]):
+            if e1 > e0:
+                parts = dx[e0:e1, None] * weight[entries.ids[e0:e1]].to(dx.dtype)
+                out[a:b] = torch.segment_reduce(parts, "sum", offsets=entries.offsets[a:b + 1] - e0)
+        return out.to(weight.dtype) if round_ else out
+
+    def weight_grad(self, dx) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = self.weight.shape[0]
+        order = torch.sort(self.entries.ids, stable=True).indices  # by id, rows ascending within
+        offsets = torch.zeros(vocab + 1, dtype=torch.int64, device=dx.device)
+        offsets[1:] = torch.cumsum(torch.bincount(self.entries.ids, minlength=vocab), 0)
+        rows, grouped_dx = self.entries.row_index[order], dx[order]
+        out = torch.empty(vocab, self.hidden.shape[1], dtype=dx.dtype, device=dx.device)
+        for a, b, e0, e1 in _slabs(offsets, self.hidden.shape[1]):
+            parts = grouped_dx[e0:e1, None] * self.hidden[rows[e0:e1]].to(dx.dtype)
+            out[a:b] = torch.segment_reduce(parts, "sum", offsets=offsets[a:b + 1] - e0)
+        return out.to(self.weight.dtype), torch.segment_reduce(grouped_dx, "sum", offsets=offsets)

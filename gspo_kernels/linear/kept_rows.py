@@ -1,0 +1,63 @@
+"""Fused linear over the engine's kept sets (kept_tokens): only the lm_head rows of each token's
+kept ids are multiplied (kept_products.py), N k H multiply-adds in place of N V H, and their
+softmax is taken over the set (token_stats/kept_softmax.py). Backward scatters `d weight` into
+the kept ids' rows, summed in a fixed order (no atomics).
+
+Nothing of size V is formed but the gradients of weight and bias. It replaces the chunked and
+tile paths whenever kept_tokens is given: nothing in the loss needs the whole vocabulary (its
+entropy is the set's, as the log-probs are).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed.collectives import sum_over_ranks
+from ..inputs.kept_tokens import KeptTokens
+from ..token_stats.kept_softmax import KeptEntries, kept_grad, kept_stats
+from ..token_stats.upstream import upstream_grads
+from .kept_products import KeptProducts
+from .plan import LinearPlan
+
+
+class KeptRowsTokenStats(torch.autograd.Function):
+    """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]` over each row's kept set."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_mask, plan: LinearPlan, kept: KeptTokens,
+                target_pos: torch.Tensor):
+        entries = KeptEntries.of(kept, target_pos, plan.tp_slice)
+        products = KeptProducts.of(entries, hidden, weight)
+        z = plan.logit_map.apply_(products.logits(bias))
+        logp, entropy, lse = kept_stats(z, entries)
+        if plan.tp_slice is not None:
+            start, size = plan.tp_slice.start, plan.tp_slice.size
+            owned = (targets >= start) & (targets < start + size)
+            logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)
+        ctx.save_for_backward(hidden, weight, bias, z, lse, entropy, row_mask)
+        ctx.plan, ctx.entries, ctx.products = plan, entries, products
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        none = (None,) * 5
+        if grad_logp is None and grad_entropy is None:
+            return (None, None, None) + none
+        hidden, weight, bias, z, lse, entropy, row_mask = ctx.saved_tensors
+        plan, entries, products = ctx.plan, ctx.entries, ctx.products
+        grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
+        dx = kept_grad(z, entries, lse, entropy, grad_logp, grad_entropy, row_mask) * plan.logit_map.slope(z)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        d_hidden = d_weight = d_bias = None
+        if need_hidden:
+            # A slice's partial d hidden is summed over ranks in float32, then rounded once.
+            d_hidden = products.hidden_grad(dx, round_=not plan.reduce_hidden_grad)
+            if plan.reduce_hidden_grad:
+                d_hidden = sum_over_ranks(d_hidden, plan.tp_slice.group, plan.linear.batch_invariant)
+            d_hidden = d_hidden.to(hidden.dtype)
+        if need_weight or need_bias:  # each id's sum in float32 whatever weight_grad_fp32 says: one rounding
+            d_weight, d_bias = products.weight_grad(dx)
+            d_weight = d_weight if need_weight else None
+            d_bias = d_bias.to(bias.dtype) if need_bias else None
+        return (d_hidden, d_weight, d_bias) + none
