@@ -80,20 +80,22 @@ def response_mask(loss_mask):
 
 def token_logprobs(logits, labels, *, sequence_first: bool = True, packed: bool = False, temperature: float = 1.0,
                    return_entropy: bool = False, loss_mask=None, tp_group=_FROM_MEGATRON, backend: str = "auto",
-                   logit_scale: float = 1.0, logit_softcap: float | None = None):
+                   logit_scale: float = 1.0, logit_softcap: float | None = None, kept_tokens=None):
     """log_softmax(logits / temperature) at the labels over the whole vocabulary, from this
     rank's vocab shard: what megatron-core's `-vocab_parallel_cross_entropy` gives, shaped like
     the labels (`[b, s]`, packed `[t]`), float32; with return_entropy also the per-token entropy.
     logit_scale, logit_softcap: the model's own transforms, as selective_log_softmax takes them.
     Differentiable; backward writes this shard's gradient in one pass. loss_mask: rows outside it
-    get an exact zero gradient and are not read in backward."""
+    get an exact zero gradient and are not read in backward. kept_tokens (a gk.KeptTokens over the
+    global vocabulary, rows in the labels' order `[b, s]` or `[t]`): over the engine's kept sets."""
     tp_group, _ = megatron_groups(tp_group, None)
     rows = _batch_first(logits, sequence_first, packed)
     mask = response_mask(loss_mask)
     if packed:
         labels, mask = packed_tokens(labels), packed_tokens(mask)
     return selective_log_softmax(rows, labels, temperature, return_entropy, backend=backend, mask=mask,
-                                 tp_group=tp_group, logit_scale=logit_scale, logit_softcap=logit_softcap)
+                                 tp_group=tp_group, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                 kept_tokens=kept_tokens)
 
 
 def gspo_loss(logits, labels, old_logprobs, advantages, *, loss_mask=None, sequence_first: bool = True,

@@ -116,6 +116,34 @@ def _loss_checks(rank):
         loss.backward()
         found[f"packed_{name}_loss"] = _relative(loss, ref_loss)
         found[f"packed_{name}_grad"] = _relative(shard.grad[:, 0], _shard(whole.grad, rank))
+    # The engine's kept sets over the global vocabulary, rows in the labels' [b, s] order.
+    found.update(_kept_tokens_checks(rank))
+    return found
+
+
+def _kept_tokens_checks(rank):
+    from gspo_kernels import KeptTokens
+    from gspo_kernels.integrations import megatron as gm
+    from gspo_kernels.testing import reference
+
+    logits, labels, loss_mask, old, adv, upstream = _problem(torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    sets = []
+    for label in labels.reshape(-1).tolist():
+        ids = torch.randperm(V, generator=gen)[:6].tolist()
+        sets.append(ids if label in ids else ids[:-1] + [label])
+    kept = KeptTokens.from_lists(sets, V)
+    whole = logits.double().transpose(0, 1).contiguous().requires_grad_()
+    ref_loss, _ = reference.gspo_loss(whole, labels, old, adv, mask=loss_mask.bool(), kept_tokens=kept, **CLIP)
+    ref_loss.backward()
+    shard = _shard(logits, rank).clone().requires_grad_()
+    loss, _ = gm.gspo_loss(shard, labels, old, adv, loss_mask=loss_mask, kept_tokens=kept, **CLIP)
+    loss.backward()
+    found = {"kept_tokens_float32_loss": _relative(loss, ref_loss),
+             "kept_tokens_float32_grad": _relative(shard.grad, _shard(whole.grad.transpose(0, 1), rank))}
+    ref_lp = reference.selective_log_softmax(logits.double().transpose(0, 1), labels, kept_tokens=kept)
+    lp = gm.token_logprobs(_shard(logits, rank), labels, kept_tokens=kept)
+    found["kept_tokens_float32_logp"] = _relative(lp, ref_lp)
     return found
 
 

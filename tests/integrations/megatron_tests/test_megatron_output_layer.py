@@ -106,7 +106,36 @@ def _output_layer_checks(rank):
     lp = gm.fused_output_logprobs(mine, layer, labels)
     want = torch.log_softmax(hidden.double().transpose(0, 1) @ weight.double().T + bias.double(), -1)
     found["logprobs_sp"] = _relative(lp, want.gather(-1, labels[..., None])[..., 0])
+    found["kept_tokens"] = _kept_tokens_checks(rank, hidden, weight, bias, labels, mask, old, adv)
     return found
+
+
+def _kept_tokens_checks(rank, hidden, weight, bias, labels, mask, old, adv):
+    """The engine's kept sets (global ids, rows in the labels' [b, s] order), sequence parallel:
+    only this shard's kept weight rows are multiplied; loss and gradients against the reference."""
+    from gspo_kernels import KeptTokens
+    from gspo_kernels.integrations import megatron as gm
+    from gspo_kernels.testing import reference
+
+    gen = torch.Generator().manual_seed(9)
+    sets = []
+    for label in labels.reshape(-1).tolist():
+        ids = torch.randperm(V, generator=gen)[:5].tolist()
+        sets.append(ids if label in ids else ids[:-1] + [label])
+    kept = KeptTokens.from_lists(sets, V)
+    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
+    ref_loss, _ = reference.gspo_loss(h64.transpose(0, 1) @ w64.T + b64, labels, old, adv, mask=mask,
+                                      kept_tokens=kept, **CLIP)
+    ref_loss.backward()
+    width, part = V // TP, S // TP
+    layer = _layer(weight, bias, rank, True)
+    mine = hidden[rank * part:(rank + 1) * part].clone().requires_grad_()
+    loss, _ = gm.fused_output_gspo_loss(mine, layer, labels, old, adv, loss_mask=mask, kept_tokens=kept, **CLIP)
+    loss.backward()
+    return {"loss": _relative(loss, ref_loss),
+            "d_hidden": _relative(mine.grad, h64.grad[rank * part:(rank + 1) * part]),
+            "d_weight": _relative(layer.weight.grad, w64.grad[rank * width:(rank + 1) * width]),
+            "d_bias": _relative(layer.bias.grad, b64.grad[rank * width:(rank + 1) * width])}
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +153,8 @@ def test_fused_output_layer_matches_the_reference(results, sp, packed):
 
 def test_fused_output_logprobs_with_sequence_parallelism(results):
     assert results["logprobs_sp"] <= 1e-6
+
+
+def test_fused_output_loss_over_the_engines_kept_sets(results):
+    for key, err in results["kept_tokens"].items():
+        assert err <= 1e-5, (key, results["kept_tokens"])
