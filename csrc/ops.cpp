@@ -36,14 +36,15 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // Stage 2, packed layout: each of `rows` rows takes its sequence's value, (S,) -> (rows,).
   m.def("segment_expand(Tensor values, Tensor cu_seqlens, int rows) -> Tensor");
   // Fused linear over the engine's kept sets (csrc/cpu/kept_products.cpp says what each computes):
-  // the entries grouped by block of rows and id, then the logits of the entries, d hidden, and
-  // d weight with d bias, each sum in a fixed order.
-  m.def("kept_group(Tensor row_offsets, Tensor ids, int vocab, int block_rows) -> (Tensor, Tensor)");
-  m.def("kept_dots(Tensor hidden, Tensor weight, Tensor offsets, Tensor order, Tensor row_index, int block_rows) "
+  // the entries grouped by block of rows and id (offsets, order, rows), then the logits of the
+  // entries, and from their gradient dx in grouped order d hidden, and d weight with d bias, each
+  // sum in a fixed order.
+  m.def("kept_group(Tensor row_offsets, Tensor ids, int vocab, int block_rows) -> (Tensor, Tensor, Tensor)");
+  m.def("kept_dots(Tensor hidden, Tensor weight, Tensor offsets, Tensor order, Tensor rows, int block_rows) "
         "-> Tensor");
-  m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor offsets, Tensor order, Tensor row_index, int rows, "
+  m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor offsets, Tensor order, Tensor rows, int n_rows, "
         "int block_rows, bool round) -> Tensor");
-  m.def("kept_weight_grad(Tensor dx, Tensor hidden, Tensor offsets, Tensor order, Tensor row_index, int vocab, "
+  m.def("kept_weight_grad(Tensor dx, Tensor hidden, Tensor offsets, Tensor order, Tensor rows, int vocab, "
         "int block_rows) -> (Tensor, Tensor)");
   // Fused linear on a CPU: acc (float32) += x (bf16 or float32, the same shape), in one pass.
   m.def("accumulate_(Tensor(a!) acc, Tensor x) -> ()");

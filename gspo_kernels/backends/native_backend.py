@@ -54,18 +54,18 @@ if _C is not None:
     @torch.library.register_fake("gspo_kernels::kept_group")
     def _(row_offsets, ids, vocab, block_rows):
         blocks = max(1, -(-(row_offsets.shape[0] - 1) // block_rows))
-        return torch.empty_like(ids), ids.new_empty((blocks * vocab + 1,))
+        return torch.empty_like(ids), ids.new_empty((blocks * vocab + 1,)), torch.empty_like(ids)
 
     @torch.library.register_fake("gspo_kernels::kept_dots")
-    def _(hidden, weight, offsets, order, row_index, block_rows):
+    def _(hidden, weight, offsets, order, rows, block_rows):
         return hidden.new_empty(order.shape, dtype=torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_hidden_grad")
-    def _(dx, weight, offsets, order, row_index, rows, block_rows, round):
-        return weight.new_empty((rows, weight.shape[1]), dtype=weight.dtype if round else torch.float32)
+    def _(dx, weight, offsets, order, rows, n_rows, block_rows, round):
+        return weight.new_empty((n_rows, weight.shape[1]), dtype=weight.dtype if round else torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_weight_grad")
-    def _(dx, hidden, offsets, order, row_index, vocab, block_rows):
+    def _(dx, hidden, offsets, order, rows, vocab, block_rows):
         return hidden.new_empty((vocab, hidden.shape[1])), hidden.new_empty((vocab,), dtype=torch.float32)
 
     @torch.library.register_fake("gspo_kernels::logits_grad_")
@@ -99,13 +99,13 @@ def kept_group(row_offsets, ids, vocab: int, block_rows: int):
     return torch.ops.gspo_kernels.kept_group(row_offsets, ids, vocab, block_rows)
 
 
-def kept_dots(hidden, weight, offsets, order, row_index, block_rows: int):
-    return torch.ops.gspo_kernels.kept_dots(hidden, weight, offsets, order, row_index, block_rows)
+def kept_dots(hidden, weight, offsets, order, rows, block_rows: int):
+    return torch.ops.gspo_kernels.kept_dots(hidden, weight, offsets, order, rows, block_rows)
 
 
-def kept_hidden_grad(dx, weight, offsets, order, row_index, rows: int, block_rows: int, round_: bool):
-    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, offsets, order, row_index, rows, block_rows, round_)
+def kept_hidden_grad(dx, weight, offsets, order, rows, n_rows: int, block_rows: int, round_: bool):
+    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, offsets, order, rows, n_rows, block_rows, round_)
 
 
-def kept_weight_grad(dx, hidden, offsets, order, row_index, vocab: int, block_rows: int):
-    return torch.ops.gspo_kernels.kept_weight_grad(dx, hidden, offsets, order, row_index, vocab, block_rows)
+def kept_weight_grad(dx, hidden, offsets, order, rows, vocab: int, block_rows: int):
+    return torch.ops.gspo_kernels.kept_weight_grad(dx, hidden, offsets, order, rows, vocab, block_rows)

@@ -16,6 +16,8 @@ Contenders:
     fused_tiles   the same with fused=True: the Triton tile kernels (GPU)
     fused_invariant        fused with batch_invariant=True (fixed product shapes, docs/fused_linear.md)
     fused_tiles_invariant  fused_tiles with batch_invariant=True: no atomics (GPU)
+    kept_64, kept_512  fused with the engine's kept sets (kept_tokens) of 64 and 512 ids a token,
+                  a top-k sampler's on the problem's logits (kept_sets.py): 6NkH multiply-adds
 
 On a CPU without native bf16 every contender multiplies in float32 (bf16 matmuls run 10-80x
 slower there): the matmul-first contenders upcast inside their step (the copies count as their
@@ -38,6 +40,7 @@ import torch
 from ..linear import fused_linear_gspo_loss
 from ..linear.products import cpu_has_native_bf16
 from ..loss import gspo_loss
+from .kept_sets import kept_loss
 from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
 from .providers import Provider, Step, _always, compiled_for_timing, gspo_from_logprobs, requires
@@ -223,6 +226,7 @@ def _step(fn, cpu_inputs_fp32: bool = False):
 FLOPS_NVH = {"eager": 6, "eager_native": 6, "materialized": 6, "materialized_fp32": 6, "compile": 6, "liger": 6,
              "cce": 8, "fused": 6, "fused_two_pass": 8, "fused_tiles": 8, "fused_invariant": 8,
              "fused_tiles_invariant": 8}
+KEPT_SIZES = {"kept_64": 64, "kept_512": 512}  # ids a token of the kept-set contenders: 6NkH
 
 LINEAR_PROVIDERS = {
     p.name: p
@@ -239,6 +243,7 @@ LINEAR_PROVIDERS = {
         Provider("fused_tiles", _step(_fused_tiles), _gpu_only, ours=True),
         Provider("fused_invariant", _step(_fused_with(batch_invariant=True)), _always, ours=True),
         Provider("fused_tiles_invariant", _step(_fused_with(fused=True, batch_invariant=True)), _gpu_only, ours=True),
+        *(Provider(name, _step(kept_loss(k)), _always, ours=True) for name, k in KEPT_SIZES.items()),
     ]
 }
 
@@ -258,6 +263,12 @@ def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
     return measure(cfg, Measurement(LINEAR_PROVIDERS[name], problem, base, f"{name} {shape}", peak_bytes), progress)
 
 
+def _flops_cell(name: str, shape: LinearShape) -> str:
+    if name in KEPT_SIZES:
+        return f"6NkH = {6 * KEPT_SIZES[name] / shape.vocab:.3g}NVH"
+    return f"{FLOPS_NVH[name]}NVH"
+
+
 def format_linear(rows, meta) -> str:
     out = []
     for key in dict.fromkeys((r.tokens, r.hidden, r.vocab) for r in rows):
@@ -275,7 +286,7 @@ def format_linear(rows, meta) -> str:
             modes, ms, mem, _ = timing_cells(cell, name)
             table.append([
                 name,
-                f"{FLOPS_NVH[name]}NVH",
+                _flops_cell(name, shape),
                 *modes,
                 "-" if not ms else f"{shape.flops / (ms * 1e-3) / 1e9:.0f}",
                 "-" if mem is None else f"{mem:.0f}",

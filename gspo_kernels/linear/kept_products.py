@@ -72,23 +72,30 @@ class NativeKeptProducts(KeptProducts):
     def __init__(self, entries: KeptEntries, hidden, weight) -> None:
         self.entries, self.hidden, self.weight = entries, hidden, weight
         self.block_rows = block_rows(hidden)
-        self.order, self.offsets = native_backend.kept_group(entries.offsets, entries.ids, weight.shape[0],
-                                                             self.block_rows)
+        self.order, self.offsets, self.rows = native_backend.kept_group(entries.offsets, entries.ids,
+                                                                        weight.shape[0], self.block_rows)
+        self._grouped_dx = None
 
     def _groups(self) -> tuple:
-        return self.offsets, self.order, self.entries.row_index
+        return self.offsets, self.order, self.rows
+
+    def _grouped(self, dx) -> torch.Tensor:
+        """dx in the grouping's order, which the C++ sums read it in (once for both)."""
+        if self._grouped_dx is None or self._grouped_dx[0] is not dx:
+            self._grouped_dx = (dx, dx.index_select(0, self.order))
+        return self._grouped_dx[1]
 
     def logits(self, bias) -> torch.Tensor:
         x = native_backend.kept_dots(self.hidden, self.weight, *self._groups(), self.block_rows)
         return x if bias is None else x + bias[self.entries.ids].to(x.dtype)
 
     def hidden_grad(self, dx, round_: bool) -> torch.Tensor:
-        return native_backend.kept_hidden_grad(dx, self.weight, *self._groups(), self.entries.rows, self.block_rows,
-                                               round_)
+        return native_backend.kept_hidden_grad(self._grouped(dx), self.weight, *self._groups(), self.entries.rows,
+                                               self.block_rows, round_)
 
     def weight_grad(self, dx) -> tuple[torch.Tensor, torch.Tensor]:
         """(d weight in the weight's dtype, d bias in float32)."""
-        return native_backend.kept_weight_grad(dx, self.hidden, *self._groups(), self.weight.shape[0],
+        return native_backend.kept_weight_grad(self._grouped(dx), self.hidden, *self._groups(), self.weight.shape[0],
                                                self.block_rows)
 
 

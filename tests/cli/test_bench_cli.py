@@ -2,6 +2,7 @@
 (No timing is asserted: speed and memory are measured by `python -m gspo_kernels bench`.)"""
 
 import json
+import re
 
 import pytest
 import torch
@@ -83,21 +84,23 @@ def test_fused_linear_bench_runs_every_contender(tmp_path, capsys):
         LinearShape.parse("2048x512x32768/0")
     out = tmp_path / "linear.json"
     code = main(["bench", "--linear", "512x16x300/128", "--reps", "2", "--budget", "1", "--providers",
-                 "eager,materialized,fused,fused_two_pass,fused_invariant,cce", "--json", str(out)])
+                 "eager,materialized,fused,fused_two_pass,fused_invariant,kept_64,cce", "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     ok = [r for r in rows if r["status"] == "ok"]
-    assert {r["provider"] for r in ok} == {"eager", "materialized", "fused", "fused_two_pass", "fused_invariant"}
+    assert {r["provider"] for r in ok} == {"eager", "materialized", "fused", "fused_two_pass", "fused_invariant",
+                                           "kept_64"}
     assert all(r["median_ms"] > 0 and r["peak_mem_mib"] is not None and r["hidden"] == 16 for r in ok)
     assert {r["seq_len"] for r in ok} == {128}
     if not torch.cuda.is_available():
         assert all(r["status"] == "skipped" for r in rows if r["provider"] == "cce")
     table = capsys.readouterr().out
     assert "fused linear: N=512 in sequences of 128 rows, H=16 V=300" in table and "memory vs materialized" in table
-    assert "| fused_two_pass | 8NVH |" in table.replace("  ", " ").replace("  ", " ")
+    cells = re.sub(r" +", " ", table)
+    assert "| fused_two_pass | 8NVH |" in cells and "| kept_64 | 6NkH = 1.28NVH |" in cells
     assert set(LINEAR_PROVIDERS) == {"eager", "eager_native", "materialized", "materialized_fp32", "compile", "liger",
                                      "cce", "fused", "fused_two_pass", "fused_tiles", "fused_invariant",
-                                     "fused_tiles_invariant"}
+                                     "fused_tiles_invariant", "kept_64", "kept_512"}
 
 
 @pytest.mark.parametrize("native", [True, False])
