@@ -70,7 +70,9 @@ class KeptProducts:
 
 class NativeKeptProducts(KeptProducts):
     def __init__(self, entries: KeptEntries, hidden, weight) -> None:
-        self.entries, self.hidden, self.weight = entries, hidden, weight
+        # The C++ products read rows of contiguous matrices: a transposed weight (an (H, V) buffer
+        # seen as (V, H)) or strided hidden rows are copied once.
+        self.entries, self.hidden, self.weight = entries, hidden.contiguous(), weight.contiguous()
         self.block_rows = block_rows(hidden)
         self.order, self.offsets, self.rows = native_backend.kept_group(entries.offsets, entries.ids,
                                                                         weight.shape[0], self.block_rows)

@@ -20,6 +20,18 @@ from .kept_products import KeptProducts
 from .plan import LinearPlan
 
 
+def _as_full_product(d_weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """d weight as the full vocabulary's product dz.T @ hidden gives it where hidden has a
+    non-finite value in column j: there every unkept id's 0 times it is NaN, so column j's finite
+    values become NaN (the kept ids' +-inf stay)."""
+    bad = ~torch.isfinite(hidden).all(0)
+    if not bool(bad.any()):  # a host sync: this path syncs already (KeptTokens.check_call)
+        return d_weight
+    column = d_weight[:, bad]
+    d_weight[:, bad] = torch.where(torch.isfinite(column), torch.full_like(column, float("nan")), column)
+    return d_weight
+
+
 class KeptRowsTokenStats(torch.autograd.Function):
     """(hidden `[N, H]`, weight `[V, H]`, bias) -> (logp, entropy) `[N]` over each row's kept set."""
 
@@ -47,7 +59,7 @@ class KeptRowsTokenStats(torch.autograd.Function):
         hidden, weight, bias, z, lse, entropy, row_mask = ctx.saved_tensors
         plan, entries, products = ctx.plan, ctx.entries, ctx.products
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
-        dx = kept_grad(z, entries, lse, entropy, grad_logp, grad_entropy, row_mask) * plan.logit_map.slope(z)
+        dx = kept_grad(z, entries, lse, entropy, grad_logp, grad_entropy, row_mask, plan.logit_map)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         d_hidden = d_weight = d_bias = None
         if need_hidden:
@@ -58,6 +70,7 @@ class KeptRowsTokenStats(torch.autograd.Function):
             d_hidden = d_hidden.to(hidden.dtype)
         if need_weight or need_bias:  # each id's sum in float32 whatever weight_grad_fp32 says: one rounding
             d_weight, d_bias = products.weight_grad(dx)
+            d_weight = _as_full_product(d_weight, hidden)
             d_weight = d_weight if need_weight else None
             d_bias = d_bias.to(bias.dtype) if need_bias else None
         return (d_hidden, d_weight, d_bias) + none

@@ -53,6 +53,10 @@ def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, lo
     # models and the trainers apply them (Cohere: logits * logit_scale; Gemma 2:
     # c * tanh(logits / c); then TRL's logits / temperature).
     raw = rows.detach()
+    if kept_tokens is not None:  # the engine's sets: only their logits are read (a NaN elsewhere is not)
+        listed = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+        listed[kept_tokens.row_index.to(rows.device), kept_tokens.token_ids.to(rows.device)] = True
+        rows = torch.where(listed, rows, torch.zeros_like(rows))
     rows = rows * logit_scale
     if logit_softcap is not None:
         rows = logit_softcap * torch.tanh(rows / logit_softcap)
@@ -65,10 +69,8 @@ def _token_logprobs_and_entropy(logits, target_ids, temperature, in_response, lo
     elif sampling_threshold is not None:
         kept = raw >= sampling_threshold.reshape(-1, 1).double().to(raw.device)
         rows = torch.where(kept, rows, torch.full_like(rows, -math.inf))
-    elif kept_tokens is not None:  # the engine's sets: the listed ids of each row
-        kept = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
-        kept[kept_tokens.row_index.to(rows.device), kept_tokens.token_ids.to(rows.device)] = True
-        rows = torch.where(kept, rows, torch.full_like(rows, -math.inf))
+    elif kept_tokens is not None:
+        rows = torch.where(listed, rows, torch.full_like(rows, -math.inf))
     log_probs = torch.log_softmax(rows, dim=-1)
     probs = log_probs.exp()
     # -p log p is 0 where p = 0 (a -inf logit); log p is zeroed first so no 0 * -inf

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.contract import LOG_FLOOR
+from ..config.logit_map import LogitMap
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.kept_tokens import KeptTokens
 
@@ -57,8 +58,8 @@ class KeptEntries:
 def kept_stats(z: torch.Tensor, entries: KeptEntries):
     """(logp, entropy, lse) `[N]` in z's dtype from the entries' mapped logits z. A row with a NaN
     or +inf among its entries gets NaN in all three; a row with no entry (or all -inf) gets lse
-    -inf, entropy NaN (a slice holding none of the row: VocabSlice.merge counts no mass); a
-    row whose target is not among its entries gets logp -inf."""
+    -inf and NaN logp and entropy (a slice holding none of the row: VocabSlice.merge counts no
+    mass); a row whose target is not among its entries gets logp -inf."""
     offsets, rows = entries.offsets, entries.row_index
     peak = torch.segment_reduce(z, "max", offsets=offsets)  # NaN if the row has one, +inf if it has one
     bad = torch.isnan(peak) | (peak == float("inf"))
@@ -75,28 +76,35 @@ def kept_stats(z: torch.Tensor, entries: KeptEntries):
     target_z = z.index_select(0, entries.target_pos.clamp(min=0)) if z.numel() else torch.zeros_like(lse)
     logp = torch.where(found, target_z - lse, torch.full_like(lse, float("-inf")))
     nan = torch.full_like(lse, float("nan"))
-    return torch.where(bad, nan, logp), torch.where(bad, nan, entropy), torch.where(bad, nan, lse)
+    no_softmax = bad | (mass == 0)  # an empty set, or all -inf: no distribution (as log_softmax gives)
+    return torch.where(no_softmax, nan, logp), torch.where(bad, nan, entropy), torch.where(bad, nan, lse)
 
 
-def kept_grad(z: torch.Tensor, entries: KeptEntries, lse, entropy, grad_logp, grad_entropy, row_mask):
-    """dLoss/dz of each entry (z's dtype): grad_logp * (1[target] - p) - grad_entropy * p * (log p
-    + H), from the rows' global lse and H. The row rule of the kernels: a row outside row_mask, or
-    whose upstream gradients are both 0, gets zeros; a row with no finite softmax (lse NaN) in
-    the loss gets NaN."""
+def kept_grad(z: torch.Tensor, entries: KeptEntries, lse, entropy, grad_logp, grad_entropy, row_mask,
+              logit_map: LogitMap):
+    """dLoss/dx of each entry's raw logit x (z's dtype): dz/dx times grad_logp * (1[target] - p)
+    - grad_entropy * p * (log p + H), from the rows' global lse and H. The row rule of the kernels (csrc/gspo_math.h,
+    row_action), over the row's entries: a row outside row_mask gets zeros; a row in the loss with
+    no finite softmax (lse NaN or infinite) gets NaN; else a row whose upstream gradients are both
+    0 gets zeros."""
+    in_loss = torch.ones_like(lse, dtype=torch.bool) if row_mask is None else row_mask
     live = grad_logp != 0
     if grad_entropy is not None:
         live = live | (grad_entropy != 0)
-    if row_mask is not None:
-        live = live & row_mask
+    live = live & in_loss
+    broken = in_loss & ~torch.isfinite(lse)
     zero = torch.zeros_like(lse)
     g = torch.where(live, grad_logp, zero)
     h = zero if grad_entropy is None else torch.where(live, grad_entropy, zero)
-    # One gather of the rows' four values for every entry (index_select: ~3x faster than [rows] here).
-    per_entry = torch.stack([lse, g, h, entropy, live.to(lse.dtype)], 1).index_select(0, entries.row_index)
-    lse_e, g_e, h_e, entropy_e, live_e = per_entry.unbind(1)
+    # One gather of the rows' values for every entry (index_select: ~3x faster than [rows] here).
+    per_entry = torch.stack([lse, g, h, entropy, live.to(lse.dtype), broken.to(lse.dtype)], 1)
+    lse_e, g_e, h_e, entropy_e, live_e, broken_e = per_entry.index_select(0, entries.row_index).unbind(1)
     logp = z - lse_e
     p = torch.exp(logp)
     dz = -p * (g_e + h_e * (logp.clamp(min=LOG_FLOOR) + entropy_e))
     dz = torch.where(live_e > 0, dz, torch.zeros_like(dz))  # a dead row's NaN p must not leak
     hit = entries.target_pos >= 0
-    return dz.index_add_(0, entries.target_pos[hit], g[hit])
+    dz = dz.index_add_(0, entries.target_pos[hit], g[hit])
+    # dz/dx only where dz is not 0: a NaN logit of a row outside the loss has a NaN slope.
+    dx = torch.where(dz == 0, dz, dz * logit_map.slope(z))
+    return torch.where(broken_e > 0, torch.full_like(dx, float("nan")), dx)

@@ -55,14 +55,13 @@ class KeptTokenStatsFunction(torch.autograd.Function):
         logits, z, lse, entropy, row_mask = ctx.saved_tensors
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         mask = None if row_mask is None else row_mask.reshape(-1)
-        dz = kept_grad(z, ctx.entries, lse, entropy, grad_logp, grad_entropy, mask)
-        dx = dz * ctx.logit_map.slope(z)
+        dx = kept_grad(z, ctx.entries, lse, entropy, grad_logp, grad_entropy, mask, ctx.logit_map)
         if ctx.inplace and writable_in_place(logits):
             grad = logits.zero_()
             torch.autograd.graph.increment_version(logits)
         else:
             grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad[ctx.index] = dx.to(logits.dtype)
+        grad[ctx.index] = dx.to(logits.dtype)  # a NaN row is NaN at its kept logits: the others are not read
         return (grad,) + none
 
 

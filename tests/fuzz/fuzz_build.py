@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+import gspo_kernels as gk
+
 from gspo_kernels.testing import reference
 
 from fuzz_case import FuzzCase
@@ -48,16 +50,19 @@ class Built:
     weight_view: object = None
     bias: torch.Tensor | None = None
     near_tie: str | None = None  # why float32 may fall on the other side of a kink (fuzz_ties.py)
+    kept_tokens: object = None  # the engine's kept sets handed to the code under test (KeptTokens)
+    reference_kept: object = None  # ... and to the reference: None for the whole vocabulary (plain)
 
     @property
     def token_shape(self):
         return tuple(self.targets.shape)
 
-    def call_kwargs(self) -> dict:
-        """The per-call keyword tensors, as gspo_loss (and the reference) take them."""
+    def call_kwargs(self, reference: bool = False) -> dict:
+        """The per-call keyword tensors, as gspo_loss (and, reference=True, the reference) take them."""
         out = {"mask": self.mask, "cu_seqlens": self.cu_seqlens, "ref_logprobs": self.ref,
                "rollout_logprobs": self.rollout, "normalizer": self.normalizer,
-               "entropy_threshold": self.entropy_threshold}
+               "entropy_threshold": self.entropy_threshold,
+               "kept_tokens": self.reference_kept if reference else self.kept_tokens}
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -124,6 +129,35 @@ def _inject_ids(case, targets_flat, in_response, gen):
             targets_flat[row] = -100
         elif kind == "id_big":
             targets_flat[row] = case.vocab + int(torch.randint(0, 3, (1,), generator=gen))
+
+
+def _kept_sets(case, targets_flat, in_response, logits64, gen):
+    """case.kept_sets as a KeptTokens (None for "none"). Rows in the response hold their target (a
+    valid id there: the strategies keep bad ids to the padding); padding rows may hold none."""
+    if case.kept_sets == "none":
+        return None
+    rows, vocab = logits64.shape
+    sets = []
+    for row in range(rows):
+        target = int(targets_flat[row])
+        valid = 0 <= target < vocab
+        if case.kept_sets == "whole":
+            ids = list(range(vocab))
+        elif case.kept_sets == "singletons":
+            ids = [target] if valid else []
+        else:
+            low = 1 if bool(in_response[row]) else 0
+            k = int(torch.randint(low, vocab + 1, (1,), generator=gen))
+            if case.kept_sets == "sampler":  # the top k by the logits (NaN rows: any order)
+                ids = torch.nan_to_num(logits64[row], nan=0.0).topk(k).indices.tolist()
+            else:
+                ids = torch.randperm(vocab, generator=gen)[:k].tolist()
+            if valid and target not in ids and ids:
+                ids[-1] = target
+            elif valid and not ids and bool(in_response[row]):
+                ids = [target]
+        sets.append(ids)
+    return gk.KeptTokens.from_lists(sets, vocab)
 
 
 def _inject_logits(case, rows_values, targets_flat, in_response, gen, fused):
@@ -298,14 +332,17 @@ def build(case: FuzzCase) -> Built:
         logits64 = values.double()
 
     temperature = opts.get("temperature", 1.0)
+    kept = _kept_sets(case, targets_flat, in_response, logits64.reshape(n_rows, vocab), gen)
+    reference_kept = None if case.kept_sets == "whole" else kept
     lp64, ent64 = reference._token_logprobs_and_entropy(logits64, targets, temperature, in_response,
                                                         opts.get("logit_scale", 1.0), opts.get("logit_softcap"),
-                                                        tuple(opts.get(f"sampling_{k}") for k in ("top_k", "top_p", "min_p")))
+                                                        tuple(opts.get(f"sampling_{k}") for k in ("top_k", "top_p", "min_p")),
+                                                        kept_tokens=reference_kept)
     lp64, ent64 = lp64.detach(), ent64.detach()
 
     built = Built(case=case, options=opts, base=base, view=view, logits64=logits64, targets=targets,
                   mask=mask, in_response=in_response, seq_rows=seq_rows, lp64=lp64, ent64=ent64,
-                  weight=weight, weight_view=weight_view, bias=bias)
+                  weight=weight, weight_view=weight_view, bias=bias, kept_tokens=kept, reference_kept=reference_kept)
     if case.entry == "selective_log_softmax":
         return built
 

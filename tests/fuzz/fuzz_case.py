@@ -70,6 +70,10 @@ class FuzzCase:
     # selective_log_softmax: with entropy, with mask (mask_form "none" = without).
     return_entropy: bool = True
     triton_block_v: int | None = None  # Triton's vocab block forced small: several blocks per row
+    # The engine's kept sets (kept_tokens): "none", "random" (random sets holding the response
+    # rows' targets), "sampler" (each row's top-k logits, k drawn, its target in place of the k-th),
+    # "singletons" (the target alone) or "whole" (every id: checked against the plain reference).
+    kept_sets: str = "none"
 
     def __repr__(self) -> str:
         """Only the fields that differ from the defaults: a shrunk case reads as what it needs."""

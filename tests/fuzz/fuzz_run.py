@@ -84,7 +84,7 @@ def _check_untouched(failures: list, built: Built, before: dict) -> None:
 
 def _reference_loss(built: Built, logits64, opts: dict):
     ref_opts = {k: v for k, v in opts.items() if k != "backend"}
-    kwargs = built.call_kwargs()
+    kwargs = built.call_kwargs(reference=True)
     try:
         return reference.gspo_loss(logits64, built.targets, built.old, built.advantages, **kwargs, **ref_opts)
     except Exception as exc:  # say whose exception it is: the reference's, not the code under test's
@@ -307,7 +307,7 @@ def run_selective_log_softmax(built: Built) -> list[str]:
     out = _under_test(lambda: gk.selective_log_softmax(
         built.view(base), built.targets, temperature, case.return_entropy, backend=case.backend,
         inplace=built.options.get("inplace", False), mask=built.mask, logit_scale=built.options.get("logit_scale", 1.0),
-        logit_softcap=built.options.get("logit_softcap"), **_sampling(built.options)))
+        logit_softcap=built.options.get("logit_softcap"), kept_tokens=built.kept_tokens, **_sampling(built.options)))
     lp, ent = out if case.return_entropy else (out, None)
     outs, ups = [lp], [g.reshape(built.token_shape).to(lp.dtype)]
     if ent is not None:
@@ -323,7 +323,8 @@ def run_selective_log_softmax(built: Built) -> list[str]:
                                                            built.in_response, built.options.get("logit_scale", 1.0),
                                                            built.options.get("logit_softcap"),
                                                            tuple(_sampling(built.options).get(f"sampling_{k}")
-                                                                 for k in ("top_k", "top_p", "min_p")))
+                                                                 for k in ("top_k", "top_p", "min_p")),
+                                                           kept_tokens=built.reference_kept)
     ref_outs, ref_ups = [ref_lp], [g]
     if ent is not None:
         ref_outs.append(ref_ent)

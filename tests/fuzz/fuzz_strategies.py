@@ -109,6 +109,14 @@ def fuzz_cases(draw, entry: str, backend: str):
     # gives no rule for it in the response (the reference's value there is inf or NaN by accident).
     injection = st.tuples(st.sampled_from(INJECTIONS), st.sampled_from(["response", "padding"])).filter(
         lambda kp: kp != ("target_banned", "response"))
+    # The engine's kept sets (loss entries and selective_log_softmax; the latter without the
+    # sampling options, which describe the set another way). A response row's target is in its set,
+    # so no bad id is injected: in the response one is refused (tests/loss), and an expanded
+    # targets view would carry a padding row's to the response.
+    if entry != "policy_loss":
+        case["kept_sets"] = draw(st.sampled_from(["none", "none", "random", "sampler", "singletons", "whole"]))
+    if case.get("kept_sets", "none") != "none":
+        injection = injection.filter(lambda kp: kp[0] not in ("id_neg", "id_big"))
     case["injections"] = tuple(draw(st.lists(injection, max_size=2)))
     if backend == "triton":
         case["triton_block_v"] = draw(st.sampled_from([None, 16]))
@@ -122,7 +130,8 @@ def fuzz_cases(draw, entry: str, backend: str):
                                # log-probs, documented); the loss entries leave it to tests/loss.
                                **draw(st.sampled_from([{}, {"sampling_top_k": 3}, {"sampling_top_p": 0.6},
                                                        {"sampling_min_p": 0.2},
-                                                       {"sampling_top_k": 5, "sampling_top_p": 0.8}]))}
+                                                       {"sampling_top_k": 5, "sampling_top_p": 0.8}]
+                                                      if case["kept_sets"] == "none" else [{}]))}
         return FuzzCase(**case)
 
     opts = draw(loss_options(entry, packed))
