@@ -96,6 +96,23 @@ class KeptTokens:
         offsets[1:] = torch.cumsum(counts, 0)
         return KeptTokens(offsets, rows[present], vocab_size)
 
+    @staticmethod
+    def from_responses(responses, starts, rows: int, vocab_size: int, device=None) -> "KeptTokens":
+        """From the engine's sets of each response: responses[i] holds one set per generated token,
+        as vLLM returns them (`CompletionOutput.sampling_mask`: an object or dict with CSR
+        `token_ids` and `offsets`, or a list of lists) or SGLang (`meta_info["output_token_sampling_mask"]`,
+        a list per token). starts[i] is the token row whose target is response i's first generated
+        token, in the call's flattened rows (padded: b * T + t); rows = N. Every other row (prompts,
+        padding) gets an empty set."""
+        sets: list = [[] for _ in range(rows)]
+        for response, start in zip(responses, starts):
+            per_token = _per_token_sets(response)
+            if start < 0 or start + len(per_token) > rows:
+                raise ValueError(f"a response of {len(per_token)} tokens starting at row {start} does not fit in "
+                                 f"{rows} token rows")
+            sets[start:start + len(per_token)] = per_token
+        return KeptTokens.from_lists(sets, vocab_size, device)
+
     def check_call(self, rows: int, vocab: int, targets: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
         """The sets against one call: N rows over a vocabulary of `vocab` ids (the global one),
         and each row in use (row_mask, None: all) holding a set with its target (int64 `[N]`).
@@ -129,6 +146,21 @@ class KeptTokens:
         found = torch.full((self.rows,), -1, dtype=torch.int64, device=self.device)
         entries = torch.arange(self.token_ids.numel(), device=self.device)
         return found.scatter_reduce(0, self.row_index[hit], entries[hit], "amax")
+
+
+def _per_token_sets(response) -> list:
+    """One response's sets as a list per generated token: CSR (token_ids, offsets) as attributes or
+    keys, or already a sequence of per-token sequences."""
+    if isinstance(response, dict):
+        ids, offsets = response.get("token_ids"), response.get("offsets")
+    else:
+        ids, offsets = getattr(response, "token_ids", None), getattr(response, "offsets", None)
+    if offsets is None:
+        if ids is not None and not isinstance(response, (list, tuple)):
+            return [list(s) for s in ids]  # token_ids as a list per token, no offsets
+        return [list(s) for s in response]
+    ids, offsets = list(ids), [int(o) for o in offsets]
+    return [ids[offsets[t]:offsets[t + 1]] for t in range(len(offsets) - 1)]
 
 
 def _check_sets(offsets: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:

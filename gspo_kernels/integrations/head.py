@@ -42,7 +42,8 @@ def _call_as_forward(module: torch.nn.Module, fn, *args):
 def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                      mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                      linear: LinearConfig | None = None, logit_scale: float = 1.0,
-                     logit_softcap: float | None = None, sampling: SamplingFilter | None = None):
+                     logit_softcap: float | None = None, sampling: SamplingFilter | None = None,
+                     kept_tokens=None):
     """(log-probs, entropies) of `targets` under softmax(softcap(head(hidden) * logit_scale) /
     temperature) (the model's own multiplier and soft-cap: model_logits.py; sampling: the
     generation's kept set, token_stats/kept_set.py), from
@@ -50,6 +51,7 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
     them. dtype: what hidden, weight and bias are cast to (float32 for TRL's
     cast_lm_head_to_fp32; verl's fused forwards use the hidden states'); None: the weight's.
     linear: how the fused-linear call runs (the trainer's batch_invariant); None: the defaults.
+    kept_tokens: the engine's kept sets of the rows (a KeptTokens), instead of `sampling`.
     The head's products are formed by the kernels (float32 results), not by autocast.
 
     A PEFT adapter on the head itself is refused: its delta never enters `head.weight`, so it
@@ -71,6 +73,7 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
             return fused_linear_selective_log_softmax(hidden.to(weight.dtype), weight, targets, bias=bias,
                                                       temperature=temperature, return_entropy=True, mask=mask,
                                                       logit_scale=logit_scale, logit_softcap=logit_softcap,
-                                                      linear=linear, **_sampling_options(sampling))
+                                                      linear=linear, kept_tokens=kept_tokens,
+                                                      **_sampling_options(sampling))
 
     return _call_as_forward(head, stats, hidden)

@@ -57,11 +57,11 @@ def tiny_transformed_logits_model(kind: str, seed: int = 0):
     raise ValueError(f"unknown kind {kind!r}: cohere, granite or gemma2")
 
 
-def tiny_grpo_trainer(trainer_cls, model, output_dir: str, config_cls=None, **overrides):
+def tiny_grpo_trainer(trainer_cls, model, output_dir: str, config_cls=None, rollout_func=None, **overrides):
     """trainer_cls (TRL's GRPOTrainer or the drop-in) on CPU in float32 (TRL's CPU default is
     bf16 autocast), 4 prompts a step in groups of 2, a reward that counts characters.
     config_cls: the arguments' class (default trl.GRPOConfig; the drop-in's GRPOConfig for its
-    own options)."""
+    own options). rollout_func: TRL's custom generation hook, or None."""
     import datasets
     import trl
 
@@ -74,5 +74,6 @@ def tiny_grpo_trainer(trainer_cls, model, output_dir: str, config_cls=None, **ov
         return [float(len(c)) for c in completions]
 
     config_cls = trl.GRPOConfig if config_cls is None else config_cls
+    extra = {} if rollout_func is None else {"rollout_func": rollout_func}
     return trainer_cls(model=model, reward_funcs=reward, args=config_cls(**settings), train_dataset=prompts,
-                       processing_class=tiny_tokenizer())
+                       processing_class=tiny_tokenizer(), **extra)

@@ -31,7 +31,7 @@ from ...policy_loss import policy_loss
 from ..announce import announce_fused
 from ..head import head_token_stats
 from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
-from . import options
+from . import options, rollout_kept
 from .metrics import log_trl_metrics
 from .options import MULTIMODAL_INPUTS, StepCounts, TRLSettings
 
@@ -76,6 +76,7 @@ class _StatsRequest:
     head_in_fp32: bool
     linear: LinearConfig  # how the fused-linear call runs (options.linear_config)
     sampling: SamplingFilter | None = None  # the generation's kept set (options.sampling_filter)
+    kept_tokens: object = None  # the engine's own sets of these rows (a KeptTokens), or None
 
 
 def _install_stats_forward(model) -> None:
@@ -99,7 +100,7 @@ def _install_stats_forward(model) -> None:
         return head_token_stats(self.get_output_embeddings(), hidden, gspo_stats.targets,
                                 temperature=gspo_stats.temperature, logit_scale=gspo_stats.logit_scale,
                                 logit_softcap=gspo_stats.logit_softcap, sampling=gspo_stats.sampling,
-                                mask=gspo_stats.mask,
+                                kept_tokens=gspo_stats.kept_tokens, mask=gspo_stats.mask,
                                 dtype=torch.float32 if gspo_stats.head_in_fp32 else None, linear=gspo_stats.linear)
 
     model.forward = types.MethodType(forward, model)
@@ -114,9 +115,28 @@ class GRPOTrainer(trl.GRPOTrainer):
         options.sampling_filter(TRLSettings.of(self))  # and so does a bad sampling_aware_logprobs
         self._gspo_warned: set[str] = set()
         self._gspo_in_fallback = False
+        self._gspo_rollout = rollout_kept.RolloutKeptSets()
         _install_stats_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
         if self.ref_model is not None:
             _install_stats_forward(self.ref_model)
+
+    # --- the engine's kept sets, when the rollout gives them (rollout_kept.py) ---------------
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        self._gspo_rollout.take(out[5])  # extra_fields: the rollout_func's keys beyond TRL's own
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            kept_ids = self._gspo_rollout.padded(output["completion_ids"].size(0), output["completion_ids"].size(1),
+                                                 output["completion_ids"].device)
+            if kept_ids is not None:
+                output[rollout_kept.FIELD] = kept_ids
+            return output
+        finally:
+            self._gspo_rollout.clear()
 
     # --- what the fused path cannot do -----------------------------------------------------
 
@@ -157,13 +177,19 @@ class GRPOTrainer(trl.GRPOTrainer):
             warnings.warn(f"gspo_kernels: {reason} is not supported by the fused loss; this trainer runs TRL's own "
                           f"loss code for it{invariant}", stacklevel=3)
 
-    def _gspo_stats(self, model, input_ids, attention_mask, completion_len: int):
-        """(log-probs, entropies) of the completion tokens, through the model's patched forward."""
+    def _gspo_stats(self, model, input_ids, attention_mask, completion_len: int, kept_ids=None):
+        """(log-probs, entropies) of the completion tokens, through the model's patched forward.
+        kept_ids: the engine's kept sets of the completion tokens, `(B, C, k)` padded with -1
+        (rollout_kept.py), or None."""
         model_config = self.accelerator.unwrap_model(model).config
-        request = _StatsRequest(input_ids[:, -completion_len:], attention_mask[:, -completion_len:] != 0,
-                                self.temperature, logit_scale_of(model_config), logit_softcap_of(model_config),
-                                bool(self.args.cast_lm_head_to_fp32),
-                                options.linear_config(TRLSettings.of(self)), options.sampling_filter(TRLSettings.of(self)))
+        mask = attention_mask[:, -completion_len:] != 0
+        sampling = options.sampling_filter(TRLSettings.of(self))
+        kept = None
+        if kept_ids is not None:
+            kept, mask = rollout_kept.as_kept_tokens(kept_ids, mask, model_config.vocab_size, sampling)
+        request = _StatsRequest(input_ids[:, -completion_len:], mask, self.temperature, logit_scale_of(model_config),
+                                logit_softcap_of(model_config), bool(self.args.cast_lm_head_to_fp32),
+                                options.linear_config(TRLSettings.of(self)), sampling, kept)
         with self.accelerator.autocast():  # the trainer's mixed precision for the backbone, as TRL runs it
             return model(input_ids=input_ids, attention_mask=attention_mask, gspo_stats=request)
 
@@ -173,14 +199,17 @@ class GRPOTrainer(trl.GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         if self._gspo_in_fallback or compute_aux_loss or any(v is not None for v in multimodal.values()) or \
                 self._gspo_unsupported_model(model) is not None:
+            self._gspo_rollout.refuse_unfused("TRL's own log-prob code")
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         batch_size = batch_size or input_ids.size(0)
+        kept_ids = self._gspo_rollout.padded(input_ids.size(0), logits_to_keep, input_ids.device)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
-            logp, entropy = self._gspo_stats(model, input_ids[rows], attention_mask[rows], logits_to_keep)
+            logp, entropy = self._gspo_stats(model, input_ids[rows], attention_mask[rows], logits_to_keep,
+                                             None if kept_ids is None else kept_ids[rows])
             mask = attention_mask[rows, -logits_to_keep:] != 0
             # TRL's convention: zeros outside the completion.
             logps.append(torch.where(mask, logp, torch.zeros_like(logp)))
@@ -214,6 +243,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _compute_loss(self, model, inputs):
         config, reason = self._gspo_plan(model, inputs)
         if reason is not None:
+            if inputs.get(rollout_kept.FIELD) is not None:
+                raise ValueError(f"gspo_kernels: the rollout gave the engine's kept sets ({rollout_kept.FIELD}), which "
+                                 f"only the fused loss reads, but {reason} is not supported by it")
             self._gspo_fallback(reason)
             self._gspo_in_fallback = True  # TRL's code throughout, its log-prob pass included
             try:
@@ -232,7 +264,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         # Stage 1 (fused linear: no logits) with both outputs differentiable, then stage 2 on them,
         # so that TRL's entropy bonus can be added on its own terms. The stats mask is the
         # completion's (tool tokens keep their log-probs for the metrics, as in TRL).
-        logp, entropy = self._gspo_stats(model, input_ids, attention_mask, completion_ids.size(1))
+        logp, entropy = self._gspo_stats(model, input_ids, attention_mask, completion_ids.size(1),
+                                         inputs.get(rollout_kept.FIELD))
         threshold = self._entropy_threshold(entropy.detach(), mask) if config.top_entropy_quantile < 1.0 else None
         rollout = inputs.get("sampling_per_token_logps") if config.rollout_correction or \
             config.off_policy_mask_threshold is not None else None

@@ -463,3 +463,90 @@ def test_sampling_aware_logprobs_follow_the_generation_settings(tmp_path):
     with pytest.raises(TypeError, match="sampling_aware_logprobs must be True or False"):
         _trainer(GRPOTrainer, copy.deepcopy(model), tmp_path / "bad", config_cls=GRPOConfig,
                  sampling_aware_logprobs="yes")
+
+
+# --- the engine's kept sets from a rollout_func -------------------------------------------------
+
+def _top_k_rollout(k: int, temperature: float):
+    """A rollout_func that samples each token from the tiny model's top-k (as an engine would) and
+    returns the sets it kept, per generated token, under kept_token_ids."""
+    def rollout(prompts, trainer):
+        tokenizer, model = trainer.processing_class, trainer.model
+        gen = torch.Generator().manual_seed(0)
+        prompt_ids, completion_ids, logprobs, kept = [], [], [], []
+        for prompt in prompts:
+            ids = tokenizer(prompt)["input_ids"]
+            completion, sets, lps = [], [], []
+            with torch.no_grad():
+                for _ in range(trainer.max_completion_length):
+                    logits = model(input_ids=torch.tensor([ids + completion])).logits[0, -1].double() / temperature
+                    top = logits.topk(k)
+                    probs = torch.softmax(top.values, -1)
+                    pick = int(torch.multinomial(probs, 1, generator=gen))
+                    completion.append(int(top.indices[pick]))
+                    sets.append(top.indices.tolist())
+                    lps.append(float(probs[pick].log()))
+            prompt_ids.append(ids)
+            completion_ids.append(completion)
+            logprobs.append(lps)
+            kept.append(sets)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs,
+                "kept_token_ids": kept}
+
+    return rollout
+
+
+def test_kept_sets_from_the_rollout_reach_every_log_prob_pass(tmp_path, monkeypatch):
+    """A rollout_func's kept_token_ids: every fused log-prob call of the step gets them (old policy
+    and training loss), the step runs without a fallback, and the rollout's own log-probs (the
+    top-k renormalised ones) equal the drop-in's at the step's start (the same weights)."""
+    from gspo_kernels import KeptTokens
+    from gspo_kernels.integrations import head
+
+    seen, plain = [], head.fused_linear_selective_log_softmax
+
+    def spy(*args, kept_tokens=None, **kwargs):
+        out = plain(*args, kept_tokens=kept_tokens, **kwargs)
+        seen.append((kept_tokens, out[0].detach()))
+        return out
+
+    monkeypatch.setattr(head, "fused_linear_selective_log_softmax", spy)
+    trainer = _trainer(GRPOTrainer, _model(), tmp_path, rollout_func=_top_k_rollout(6, 0.9), temperature=0.9,
+                       num_iterations=2)
+    captured = {}
+    original = trainer._generate_and_score_completions
+
+    def keep_output(inputs):
+        captured["output"] = original(inputs)
+        return captured["output"]
+
+    trainer._generate_and_score_completions = keep_output
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if str(w.message).startswith("gspo_kernels:")]
+    assert seen and all(isinstance(kept, KeptTokens) for kept, _ in seen)
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+    output = captured["output"]
+    kept_ids = output["kept_token_ids"]
+    mask = output["completion_mask"].bool()
+    assert kept_ids.shape[:2] == output["completion_ids"].shape and ((kept_ids >= 0).sum(-1)[mask] == 6).all()
+    # The old-policy pass ran before any update: its log-probs are the rollout's own.
+    old = output["old_per_token_logps"]
+    assert torch.allclose(old[mask], output["sampling_per_token_logps"][mask].float(), atol=1e-5)
+
+
+def test_kept_sets_refuse_the_unfused_path_and_a_second_description(tmp_path):
+    from gspo_kernels.integrations.trl import rollout_kept
+
+    sets = rollout_kept.RolloutKeptSets()
+    sets.take({"kept_token_ids": [[[1, 2], [3]]]})
+    with pytest.raises(ValueError, match="which TRL's own log-prob code would not read"):
+        sets.refuse_unfused("TRL's own log-prob code")
+    assert sets.padded(1, 3, "cpu").tolist() == [[[1, 2], [3, -1], [-1, -1]]]
+    with pytest.raises(ValueError, match="for 1 completions; this process has 2"):
+        sets.padded(2, 3, "cpu")
+    from gspo_kernels.token_stats.kept_set import SamplingFilter
+    with pytest.raises(ValueError, match="pass the kept set one way"):
+        rollout_kept.as_kept_tokens(torch.tensor([[[1, -1]]]), torch.ones(1, 1, dtype=torch.bool), 10,
+                                    SamplingFilter(top_k=3))
