@@ -254,3 +254,17 @@ def test_from_responses_places_each_response_at_its_rows():
     assert kept.token_ids.tolist() == [3, 1, 4, 4, 7, 2, 5, 0]
     with pytest.raises(ValueError, match="a response of 2 tokens starting at row 8 does not fit in 9 token rows"):
         KeptTokens.from_responses([sglang], starts=[8], rows=9, vocab_size=10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_linear_kept_rows_on_cuda_match_the_reference():
+    """The PyTorch products (the path on a GPU), bf16, against the float64 reference."""
+    gen = torch.Generator().manual_seed(8)
+    h, w, b, targets, kept = _linear_problem(300, 256, 1000, torch.bfloat16, gen, sizes=(1, 64))
+    up = (torch.randn(300, generator=gen), torch.randn(300, generator=gen))
+    moved = [t.cuda() for t in (h, w, b, targets)] + [kept.to("cuda")]
+    got = _linear_grads(*moved, tuple(u.cuda() for u in up), temperature=0.8)
+    want = _linear_grads(h.double(), w.double(), b.double(), targets, kept, up,
+                         fn=reference.fused_linear_selective_log_softmax, temperature=0.8)
+    for got_t, want_t, what in zip(got, want, ("logp", "entropy", "d hidden", "d weight", "d bias")):
+        _close(got_t, want_t, 1e-2 * max(1.0, want_t.abs().max().item()), what)
