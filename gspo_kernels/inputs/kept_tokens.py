@@ -145,7 +145,8 @@ class KeptTokens:
         hit = self.token_ids == targets.reshape(-1).index_select(0, self.row_index)
         found = torch.full((self.rows,), -1, dtype=torch.int64, device=self.device)
         entries = torch.arange(self.token_ids.numel(), device=self.device)
-        return found.scatter_reduce(0, self.row_index[hit], entries[hit], "amax")
+        # Misses add -1, which the initial -1 already is: no boolean indexing (a sync and a pass).
+        return found.scatter_reduce(0, self.row_index, torch.where(hit, entries, -1), "amax")
 
 
 def _per_token_sets(response) -> list:

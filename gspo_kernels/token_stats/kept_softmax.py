@@ -103,8 +103,9 @@ def kept_grad(z: torch.Tensor, entries: KeptEntries, lse, entropy, grad_logp, gr
     p = torch.exp(logp)
     dz = -p * (g_e + h_e * (logp.clamp(min=LOG_FLOOR) + entropy_e))
     dz = torch.where(live_e > 0, dz, torch.zeros_like(dz))  # a dead row's NaN p must not leak
-    hit = entries.target_pos >= 0
-    dz = dz.index_add_(0, entries.target_pos[hit], g[hit])
+    if dz.numel():  # the one-hot term; a row without its target adds 0 at entry 0 (no boolean indexing)
+        hit = entries.target_pos >= 0
+        dz = dz.index_add_(0, entries.target_pos.clamp(min=0), torch.where(hit, g, zero))
     # dz/dx only where dz is not 0: a NaN logit of a row outside the loss has a NaN slope.
     dx = torch.where(dz == 0, dz, dz * logit_map.slope(z))
     return torch.where(broken_e > 0, torch.full_like(dx, float("nan")), dx)
