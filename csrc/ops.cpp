@@ -46,6 +46,12 @@ TORCH_LIBRARY(gspo_kernels, m) {
         "int block_rows, bool round) -> Tensor");
   m.def("kept_weight_grad(Tensor dx, Tensor hidden, Tensor offsets, Tensor order, Tensor rows, int vocab, "
         "int block_rows) -> (Tensor, Tensor)");
+  // The softmax over each row's kept entries (csrc/cpu/kept_softmax.cpp): z float32 (nnz,), CSR
+  // rows by offsets, target_pos the target's entry per row or -1; the per-row statistics, and each
+  // entry's gradient under the kernels' row rule and the logit map's slope.
+  m.def("kept_softmax_stats(Tensor z, Tensor offsets, Tensor target_pos) -> (Tensor, Tensor, Tensor)");
+  m.def("kept_softmax_grad(Tensor z, Tensor offsets, Tensor target_pos, Tensor lse, Tensor entropy, "
+        "Tensor grad_logp, Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap) -> Tensor");
   // Fused linear on a CPU: acc (float32) += x (bf16 or float32, the same shape), in one pass.
   m.def("accumulate_(Tensor(a!) acc, Tensor x) -> ()");
 }

@@ -43,20 +43,6 @@ constexpr int64_t kChunk = 512;  // logits per partial sum inside a block (a mul
 #endif  // logits per block: 8-16 KiB, re-read from L1 by the second pass
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-struct VecOps {
-  // exp_u20: a polynomial exp within ~4 ulp on [-87, 0] (the only arguments the kernels pass),
-  // several times faster than Sleef's. It maps NaN to +inf, which is why NaN rows are
-  // caught before it (see the file comment).
-  static Vec exp(const Vec& x) { return x.exp_u20(); }
-  static Vec max(const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }
-  static Vec fma(const Vec& a, const Vec& b, const Vec& c) { return at::vec::fmadd(a, b, c); }
-};
-
-struct ScalarOps {
-  static float exp(float x) { return std::exp(x); }
-  static float max(float a, float b) { return std::fmax(a, b); }
-  static float fma(float a, float b, float c) { return std::fma(a, b, c); }
-};
 
 // The kernels walk a row one storage vector at a time (8 fp32 or 16 bf16/fp16 logits with
 // AVX2), handing each fp32 vector in it to a functor: `visit` only reads, `transform` writes

@@ -18,7 +18,7 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
 # The ops the package calls: an extension built from older sources lacks some, and is refused
 # whole (with the reason) rather than failing at a first call.
 OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand", "kept_group",
-       "kept_dots", "kept_hidden_grad", "kept_weight_grad")
+       "kept_dots", "kept_hidden_grad", "kept_weight_grad", "kept_softmax_stats", "kept_softmax_grad")
 if _C is not None:
     _missing = [op for op in OPS if not hasattr(torch.ops.gspo_kernels, op)]
     if _missing:
@@ -50,6 +50,14 @@ if _C is not None:
     @torch.library.register_fake("gspo_kernels::kept_thresholds")
     def _(logits, inv_temperature, softcap, top_k, top_p, min_p):
         return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+    @torch.library.register_fake("gspo_kernels::kept_softmax_stats")
+    def _(z, offsets, target_pos):
+        return tuple(z.new_empty(target_pos.shape) for _ in range(3))
+
+    @torch.library.register_fake("gspo_kernels::kept_softmax_grad")
+    def _(z, offsets, target_pos, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temperature, softcap):
+        return torch.empty_like(z)
 
     @torch.library.register_fake("gspo_kernels::kept_group")
     def _(row_offsets, ids, vocab, block_rows):
@@ -109,3 +117,13 @@ def kept_hidden_grad(dx, weight, offsets, order, rows, n_rows: int, block_rows: 
 
 def kept_weight_grad(dx, hidden, offsets, order, rows, vocab: int, block_rows: int):
     return torch.ops.gspo_kernels.kept_weight_grad(dx, hidden, offsets, order, rows, vocab, block_rows)
+
+
+# The softmax over the kept entries (csrc/cpu/kept_softmax.cpp; token_stats/kept_softmax.py).
+def kept_softmax_stats(z, offsets, target_pos):
+    return torch.ops.gspo_kernels.kept_softmax_stats(z, offsets, target_pos)
+
+
+def kept_softmax_grad(z, offsets, target_pos, lse, entropy, grad_logp, grad_entropy, row_mask, logit_map):
+    return torch.ops.gspo_kernels.kept_softmax_grad(z, offsets, target_pos, lse, entropy, grad_logp, grad_entropy,
+                                                    row_mask, *logit_map.op_args())

@@ -20,15 +20,25 @@ from .kept_products import KeptProducts
 from .plan import LinearPlan
 
 
-def _as_full_product(d_weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+def _as_full_product(d_weight: torch.Tensor, hidden: torch.Tensor, entries: KeptEntries) -> torch.Tensor:
     """d weight as the full vocabulary's product dz.T @ hidden gives it where hidden has a
-    non-finite value in column j: there every unkept id's 0 times it is NaN, so column j's finite
-    values become NaN (the kept ids' +-inf stay)."""
-    bad = ~torch.isfinite(hidden).all(0)
-    if not bool(bad.any()):  # a host sync: this path syncs already (KeptTokens.check_call)
+    non-finite value in column j (a rare path, a loop over such columns). There each id a row
+    does not keep contributes 0 times it, which is NaN: column j is NaN but at the ids that every
+    such row keeps, and wholly NaN when one of the values is NaN (NaN times anything)."""
+    bad = ~torch.isfinite(hidden)
+    columns = bad.any(0)
+    if not bool(columns.any()):  # a host sync: this path syncs already (KeptTokens.check_call)
         return d_weight
-    column = d_weight[:, bad]
-    d_weight[:, bad] = torch.where(torch.isfinite(column), torch.full_like(column, float("nan")), column)
+    for j in columns.nonzero().flatten().tolist():
+        rows = bad[:, j].nonzero().flatten()
+        if bool(torch.isnan(hidden[rows, j]).any()):
+            d_weight[:, j] = float("nan")
+            continue
+        in_rows = torch.isin(entries.row_index, rows)
+        times_kept = torch.zeros(d_weight.shape[0], dtype=torch.int64, device=d_weight.device)
+        times_kept.index_add_(0, entries.ids[in_rows], torch.ones_like(entries.ids[in_rows]))
+        everywhere = times_kept == rows.numel()
+        d_weight[~everywhere, j] = float("nan")
     return d_weight
 
 
@@ -70,7 +80,7 @@ class KeptRowsTokenStats(torch.autograd.Function):
             d_hidden = d_hidden.to(hidden.dtype)
         if need_weight or need_bias:  # each id's sum in float32 whatever weight_grad_fp32 says: one rounding
             d_weight, d_bias = products.weight_grad(dx)
-            d_weight = _as_full_product(d_weight, hidden)
+            d_weight = _as_full_product(d_weight, hidden, entries)
             d_weight = d_weight if need_weight else None
             d_bias = d_bias.to(bias.dtype) if need_bias else None
         return (d_hidden, d_weight, d_bias) + none

@@ -8,6 +8,9 @@ them, taken in the entries' order within the row: a row's bits do not depend on 
 The work is O(nnz); nothing outside the sets is read. Over a vocab slice (tensor parallelism)
 each rank holds the entries of its slice and these are the slice's partial statistics, which
 VocabSlice.merge turns into the global ones, as for the kernels' full rows.
+
+On a CPU, float32 z go to C++ (csrc/cpu/kept_softmax.cpp: a row at a time, the kernels'
+per-element terms); elsewhere, and for float64, the PyTorch ops below, which say what both compute.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import native_backend
 from ..backends.contract import LOG_FLOOR
 from ..config.logit_map import LogitMap
 from ..distributed.vocab_parallel import VocabSlice
@@ -55,11 +59,18 @@ class KeptEntries:
         return KeptEntries(offsets, kept.row_index[select], local[select], target_pos)
 
 
+def _native(z: torch.Tensor) -> bool:
+    """The C++ rows (csrc/cpu/kept_softmax.cpp) for float32 on a CPU; these PyTorch ops elsewhere."""
+    return z.device.type == "cpu" and z.dtype == torch.float32 and native_backend.load_error() is None
+
+
 def kept_stats(z: torch.Tensor, entries: KeptEntries):
     """(logp, entropy, lse) `[N]` in z's dtype from the entries' mapped logits z. A row with a NaN
     or +inf among its entries gets NaN in all three; a row with no entry (or all -inf) gets lse
     -inf and NaN logp and entropy (a slice holding none of the row: VocabSlice.merge counts no
     mass); a row whose target is not among its entries gets logp -inf."""
+    if _native(z):
+        return native_backend.kept_softmax_stats(z, entries.offsets, entries.target_pos)
     offsets, rows = entries.offsets, entries.row_index
     peak = torch.segment_reduce(z, "max", offsets=offsets)  # NaN if the row has one, +inf if it has one
     bad = torch.isnan(peak) | (peak == float("inf"))
@@ -87,6 +98,9 @@ def kept_grad(z: torch.Tensor, entries: KeptEntries, lse, entropy, grad_logp, gr
     row_action), over the row's entries: a row outside row_mask gets zeros; a row in the loss with
     no finite softmax (lse NaN or infinite) gets NaN; else a row whose upstream gradients are both
     0 gets zeros."""
+    if _native(z):
+        return native_backend.kept_softmax_grad(z, entries.offsets, entries.target_pos, lse, entropy, grad_logp,
+                                                grad_entropy, row_mask, logit_map)
     in_loss = torch.ones_like(lse, dtype=torch.bool) if row_mask is None else row_mask
     live = grad_logp != 0
     if grad_entropy is not None:

@@ -9,6 +9,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import KeptTokens
 from gspo_kernels.linear import kept_products
+from gspo_kernels.token_stats import kept_softmax
 from gspo_kernels.testing import reference
 
 from conftest import BACKENDS, device_for
@@ -37,10 +38,14 @@ def _close(got, want, tol, what):
 MAPS = [dict(), dict(temperature=0.7), dict(logit_softcap=2.5, logit_scale=1.5, temperature=1.3)]
 
 
+@pytest.mark.parametrize("rows", ["cpp", "torch-ops"])
 @pytest.mark.parametrize("options", MAPS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_log_probs_entropies_and_gradient_on_logits(backend, dtype, options):
+def test_log_probs_entropies_and_gradient_on_logits(backend, dtype, options, rows, monkeypatch):
+    """rows: the softmax over the sets in C++ (float32 on a CPU) or in the PyTorch ops a GPU runs."""
+    if rows == "torch-ops":
+        monkeypatch.setattr(kept_softmax, "_native", lambda z: False)
     gen = torch.Generator().manual_seed(1)
     logits = (2 * torch.randn(3, 5, 50, generator=gen)).to(dtype)
     targets = torch.randint(0, 50, (3, 5), generator=gen)
