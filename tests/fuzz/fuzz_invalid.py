@@ -120,7 +120,13 @@ def invalid_call(built: Built, corruption: str, variant: int):
         kwargs["cu_seqlens"] = cu
     elif corruption == "cu_decreasing":
         cu = built.cu_seqlens.clone()
-        kwargs["cu_seqlens"] = torch.cat([cu[:1], cu[1:] + 1, cu[-1:]]) if cu.numel() == 2 else cu.flip(0)
+        if cu.numel() == 2:
+            cu = torch.cat([cu[:1], cu[1:] + 1, cu[-1:]])
+        elif bool((cu == cu[0]).all()):  # every sequence empty: flipped it would still be valid
+            cu[1] = cu[-1] + 1
+        else:
+            cu = cu.flip(0)
+        kwargs["cu_seqlens"] = cu
     elif corruption == "cu_end":
         cu = built.cu_seqlens.clone()
         cu[-1] = cu[-1] + 1 + variant % 3
