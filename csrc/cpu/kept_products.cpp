@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../op_common.h"
+#include "huge_pages.h"
 #include "row_vec.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -359,6 +360,7 @@ std::tuple<at::Tensor, at::Tensor> kept_weight_grad(const at::Tensor& dx, const 
               ": dx must be contiguous float32, one per entry, in grouped order");
   const Groups g = Groups::of(op, offsets, order, grouped_rows, vocab, block_rows);
   at::Tensor out = at::empty({vocab, h}, hidden.options());
+  advise_huge_pages(out);  // every row is written, the unkept ids' with zeros
   at::Tensor bias = at::empty({vocab}, hidden.options().dtype(at::kFloat));
   const float* d = dx.data_ptr<float>();
   float* db = bias.data_ptr<float>();

@@ -15,9 +15,6 @@
 #include <limits>
 #include <vector>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -25,6 +22,7 @@
 
 #include "../gspo_math.h"
 #include "../op_common.h"
+#include "huge_pages.h"
 #include "row_vec.h"
 
 namespace gspo::cpu {
@@ -461,21 +459,6 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       }
     }
   });
-}
-
-// A fresh gradient buffer of hundreds of MB costs more in first-touch page faults than the
-// kernel takes to fill it; asking for 2 MiB pages (where the system grants transparent huge
-// pages on request) cuts that time by ~2.5x here. Advisory: a refusal changes nothing.
-void advise_huge_pages(const at::Tensor& t) {
-#ifdef __linux__
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
 }
 
 void launch_grad(const at::Tensor& logits, at::Tensor& grad, const GradInputs& g_in, const LogitMap& map) {

@@ -52,15 +52,17 @@ def _slabs(offsets: torch.Tensor, width: int):
             yield bounds[i], bounds[i + 1], starts[i], starts[i + 1]
 
 
-def block_rows(hidden: torch.Tensor) -> int:
-    """Hidden rows per block of the C++ products: about 256 KiB of them (a core's L2 holds them
-    while the weight streams; 256 KiB measured faster than 128 KiB, 512 KiB and 1 MiB for the
-    logits and d hidden on a 2-core AMX Xeon, H = 512 bf16), and no more than a thread's share
-    of the rows. The bits do not depend on it (csrc/cpu/kept_products.cpp)."""
+def block_rows(hidden: torch.Tensor, vocab: int, entries: int) -> int:
+    """Hidden rows per block of the C++ products. Each weight row is read once per block, so a
+    block should hold about 4 entries per id (4 V / k rows, k the mean set size); its hidden rows
+    should stay in a core's L2 (256 KiB measured faster than 128 KiB, 512 KiB and 1 MiB at k = 512
+    on a 2-core AMX Xeon, H = 512 bf16), the larger of the two; and no block is more than a
+    thread's share of the rows. The bits do not depend on it (csrc/cpu/kept_products.cpp)."""
     rows, width = hidden.shape
-    by_cache = max(1, (256 << 10) // (width * hidden.element_size()))
+    by_cache = (256 << 10) // (width * hidden.element_size())
+    by_reuse = 4 * vocab * rows // max(entries, 1)
     by_threads = -(-rows // max(1, torch.get_num_threads()))
-    return max(1, min(by_cache, by_threads))
+    return max(1, min(max(by_cache, by_reuse), by_threads))
 
 
 class KeptProducts:
@@ -78,7 +80,7 @@ class NativeKeptProducts(KeptProducts):
         # The C++ products read rows of contiguous matrices: a transposed weight (an (H, V) buffer
         # seen as (V, H)) or strided hidden rows are copied once.
         self.entries, self.hidden, self.weight = entries, hidden.contiguous(), weight.contiguous()
-        self.block_rows = block_rows(hidden)
+        self.block_rows = block_rows(hidden, weight.shape[0], entries.ids.numel())
         self.order, self.offsets, self.rows = native_backend.kept_group(entries.offsets, entries.ids,
                                                                         weight.shape[0], self.block_rows)
         self._grouped_dx = None
