@@ -13,6 +13,12 @@ from ..linear import fused_linear_gspo_loss
 from .problem import EPS_HIGH, EPS_LOW
 
 _SET_ROWS = 256  # rows of logits formed at a time while the sets are built (not timed)
+KEPT_SIZES = {"kept_64": 64, "kept_512": 512}  # the contenders and their ids a token
+
+
+def kept_flops(name: str, vocab: int) -> str:
+    """The table's FLOPs cell: 6NkH, and what it is in units of NVH."""
+    return f"6NkH = {6 * KEPT_SIZES[name] / vocab:.3g}NVH"
 
 
 def sampler_kept_sets(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, k: int) -> KeptTokens:

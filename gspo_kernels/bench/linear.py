@@ -16,8 +16,7 @@ Contenders:
     fused_tiles   the same with fused=True: the Triton tile kernels (GPU)
     fused_invariant        fused with batch_invariant=True (fixed product shapes, docs/fused_linear.md)
     fused_tiles_invariant  fused_tiles with batch_invariant=True: no atomics (GPU)
-    kept_64, kept_512  fused with the engine's kept sets (kept_tokens) of 64 and 512 ids a token,
-                  a top-k sampler's on the problem's logits (kept_sets.py): 6NkH multiply-adds
+    kept_64, kept_512  fused over the engine's kept sets (kept_sets.py)
 
 On a CPU without native bf16 every contender multiplies in float32 (bf16 matmuls run 10-80x
 slower there): the matmul-first contenders upcast inside their step (the copies count as their
@@ -26,8 +25,8 @@ the bf16 operands as a trainer's lm_head does, and eager, compile and materializ
 float32. Liger, which multiplies in its inputs' dtype, gets float32 hidden states and weight on
 a CPU. On a GPU every contender multiplies in the inputs' dtype, as a trainer does.
 
-FLOPS gives each contender's multiply-adds in units of NVH: 6 for one lm_head product forward
-and two backward, 8 where backward forms the logits again.
+FLOPS gives each contender's FLOPs in units of NVH: 6 for one lm_head product forward and two
+backward, 8 where backward forms the logits again (6NkH over the kept sets).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import torch
 from ..linear import fused_linear_gspo_loss
 from ..linear.products import cpu_has_native_bf16
 from ..loss import gspo_loss
-from .kept_sets import kept_loss
+from .kept_sets import KEPT_SIZES, kept_flops, kept_loss
 from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
 from .providers import Provider, Step, _always, compiled_for_timing, gspo_from_logprobs, requires
@@ -172,11 +171,6 @@ def _materialized_fp32(h, w, p):
                      eps_high=EPS_HIGH)[0]
 
 
-def _fused(h, w, p):
-    return fused_linear_gspo_loss(h, w, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, eps_low=EPS_LOW,
-                                  eps_high=EPS_HIGH)[0]
-
-
 def _fused_with(**linear):
     """gk.fused_linear_gspo_loss with these LinearConfig options (default chunk rule)."""
     def loss(h, w, p):
@@ -186,6 +180,7 @@ def _fused_with(**linear):
     return loss
 
 
+_fused = _fused_with()
 _fused_tiles = _fused_with(fused=True)
 
 
@@ -226,7 +221,6 @@ def _step(fn, cpu_inputs_fp32: bool = False):
 FLOPS_NVH = {"eager": 6, "eager_native": 6, "materialized": 6, "materialized_fp32": 6, "compile": 6, "liger": 6,
              "cce": 8, "fused": 6, "fused_two_pass": 8, "fused_tiles": 8, "fused_invariant": 8,
              "fused_tiles_invariant": 8}
-KEPT_SIZES = {"kept_64": 64, "kept_512": 512}  # ids a token of the kept-set contenders: 6NkH
 
 LINEAR_PROVIDERS = {
     p.name: p
@@ -263,12 +257,6 @@ def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
     return measure(cfg, Measurement(LINEAR_PROVIDERS[name], problem, base, f"{name} {shape}", peak_bytes), progress)
 
 
-def _flops_cell(name: str, shape: LinearShape) -> str:
-    if name in KEPT_SIZES:
-        return f"6NkH = {6 * KEPT_SIZES[name] / shape.vocab:.3g}NVH"
-    return f"{FLOPS_NVH[name]}NVH"
-
-
 def format_linear(rows, meta) -> str:
     out = []
     for key in dict.fromkeys((r.tokens, r.hidden, r.vocab) for r in rows):
@@ -286,7 +274,7 @@ def format_linear(rows, meta) -> str:
             modes, ms, mem, _ = timing_cells(cell, name)
             table.append([
                 name,
-                _flops_cell(name, shape),
+                kept_flops(name, shape.vocab) if name in KEPT_SIZES else f"{FLOPS_NVH[name]}NVH",
                 *modes,
                 "-" if not ms else f"{shape.flops / (ms * 1e-3) / 1e9:.0f}",
                 "-" if mem is None else f"{mem:.0f}",
