@@ -273,3 +273,19 @@ def test_fused_linear_kept_rows_on_cuda_match_the_reference():
                          fn=reference.fused_linear_selective_log_softmax, temperature=0.8)
     for got_t, want_t, what in zip(got, want, ("logp", "entropy", "d hidden", "d weight", "d bias")):
         _close(got_t, want_t, 1e-2 * max(1.0, want_t.abs().max().item()), what)
+
+
+def test_the_cpp_products_without_the_bf16_dot_instruction():
+    """GSPO_CPU_BF16_DOT=0: bf16 through float32 FMAs (what a CPU without AVX512-BF16 runs), in a
+    fresh process (the switch is read once), against the float64 reference."""
+    if not gk.backends.native_available():
+        pytest.skip("the native extension is not built")
+    import os
+    import subprocess
+    import sys
+
+    test = "tests/loss/test_kept_tokens.py::test_fused_linear_from_hidden_states_matches_the_reference"
+    env = {**os.environ, "GSPO_CPU_BF16_DOT": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "bf16 and cpp"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:]
