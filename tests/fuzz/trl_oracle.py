@@ -245,7 +245,8 @@ class TrainerStandIn:
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         return self._batch.logp, self._batch.entropy, None
 
-    def _gspo_stats(self, model, input_ids, attention_mask, completion_len):
+    def _gspo_stats(self, model, input_ids, attention_mask, completion_len, kept_ids=None):
+        assert kept_ids is None, "the drawn batches carry no engine kept sets"
         return self._batch.logp, self._batch.entropy
 
     def _gspo_fallback(self, reason: str) -> None:
