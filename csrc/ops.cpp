@@ -42,10 +42,10 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def("kept_group(Tensor row_offsets, Tensor ids, int vocab, int block_rows) -> (Tensor, Tensor, Tensor)");
   m.def("kept_dots(Tensor hidden, Tensor weight, Tensor offsets, Tensor order, Tensor rows, int block_rows) "
         "-> Tensor");
-  m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor offsets, Tensor order, Tensor rows, int n_rows, "
-        "int block_rows, bool round) -> Tensor");
-  m.def("kept_weight_grad(Tensor dx, Tensor hidden, Tensor offsets, Tensor order, Tensor rows, int vocab, "
-        "int block_rows) -> (Tensor, Tensor)");
+  m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor offsets, Tensor rows, int n_rows, int block_rows, "
+        "bool round) -> Tensor");
+  m.def("kept_weight_grad(Tensor dx, Tensor hidden, Tensor offsets, Tensor rows, int vocab, int block_rows) "
+        "-> (Tensor, Tensor)");
   // The softmax over each row's kept entries (csrc/cpu/kept_softmax.cpp): z float32 (nnz,), CSR
   // rows by offsets, target_pos the target's entry per row or -1; the per-row statistics, and each
   // entry's gradient under the kernels' row rule and the logit map's slope.

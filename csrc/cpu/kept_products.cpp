@@ -6,8 +6,9 @@
 //   kept_weight_grad   dW[v]    = sum_{e of id v} dx[e] * hidden[r_e]           (V, H), and db[v]
 //
 // kept_group first orders the entries by block of rows, then by id, then by row (a counting sort
-// per block); dx comes in that grouped order. A block's hidden rows (block_rows x H, about 512 KiB) then stay in a core's L2 while
-// each weight row is read once per block, whole and in id order: on a 2-core AMX Xeon (N = 2048,
+// per block); dx comes in that grouped order. A block's hidden rows (block_rows x H,
+// linear/kept_products.py's block_rows) then stay in a core's L2 while each weight row is read
+// once per block, whole and in id order: on a 2-core AMX Xeon (N = 2048,
 // H = 512, V = 32768, 512 random ids a row) the dot products by token row, which fetch a random
 // weight row from L3 for each entry, took 42.6 ms; by id alone, 25.1 ms.
 //
@@ -163,14 +164,14 @@ void axpy_many(const scalar_t* t, int64_t h, const float* c, float* const* acc, 
   }
 }
 
-// acc[0:h] += sum_j c_j * t_j[0:h] for `count` rows t_j, added one after another in j's order, a
+// acc[0:h] = sum_j c_j * t_j[0:h] for `count` rows t_j, added one after another in j's order, a
 // chunk of acc at a time in registers.
 template <typename scalar_t>
-void add_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h, float* acc) {
+void sum_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h, float* acc) {
   const int64_t h_vec = h - h % kChunk;
   for (int64_t i = 0; i < h_vec; i += kChunk) {
     Vec sum[kChunkVecs];
-    for (int64_t q = 0; q < kChunkVecs; ++q) sum[q] = Vec::loadu(acc + i + q * Vec::size());
+    for (auto& v : sum) v = Vec(0.f);
     for (int64_t j = 0; j < count; ++j) {
       const Vec vc(c[j]);
       for (int64_t q = 0; q < kChunkVecs; q += 2) {
@@ -183,7 +184,7 @@ void add_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h
     for (int64_t q = 0; q < kChunkVecs; ++q) sum[q].store(acc + i + q * Vec::size());
   }
   for (int64_t i = h_vec; i < h; ++i) {
-    float s = acc[i];
+    float s = 0.f;
     for (int64_t j = 0; j < count; ++j) s += c[j] * static_cast<float>(t[j][i]);
     acc[i] = s;
   }
@@ -204,28 +205,30 @@ void check_matrix(const char* op, const at::Tensor& t, const char* name, int64_t
               " must be a contiguous (rows, ", h, ") CPU matrix");
 }
 
-// The grouping of one call: segments (block b, id v) at offsets[b * V + v]; grouped entry e is
-// entry order[e] of the sets, in row rows[e]. The kernels read rows[] and their coefficients in
-// grouped order, one after another: reading them through order[] (a random access each, within
-// a row's entries) cost 25 against 17.6 ms for the logits here.
+// The grouping of one call: segments (block b, id v) at offsets[b * V + v]; grouped entry e is in
+// row rows[e] (and is entry order[e] of the sets: kept_dots writes its results there). The kernels
+// read rows[] and their coefficients in grouped order, one after another: reading them through
+// order[] (a random access each, within a row's entries) cost 25 against 17.6 ms for the logits here.
 struct Groups {
   const int64_t* offsets;
-  const int64_t* order;
   const int64_t* rows;
-  int64_t vocab, blocks, block_rows;
+  int64_t entries, vocab, blocks, block_rows;
 
-  static Groups of(const char* op, const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& rows,
-                   int64_t vocab, int64_t block_rows) {
+  static Groups of(const char* op, const at::Tensor& offsets, const at::Tensor& rows, int64_t vocab,
+                   int64_t block_rows) {
     check_index(op, offsets, "offsets");
-    check_index(op, order, "order");
     check_index(op, rows, "rows");
     TORCH_CHECK(block_rows >= 1 && vocab >= 1 && (offsets.numel() - 1) % vocab == 0, op,
                 ": offsets must have blocks * vocab + 1 entries");
-    TORCH_CHECK(order.numel() == rows.numel(), op, ": order and rows differ in length");
-    return {offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), vocab,
+    return {offsets.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), rows.numel(), vocab,
             (offsets.numel() - 1) / vocab, block_rows};
   }
 };
+
+void check_grouped_dx(const char* op, const at::Tensor& dx, const Groups& g) {
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == g.entries, op,
+              ": dx must be contiguous float32, one per entry, in grouped order");
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_group(const at::Tensor& row_offsets, const at::Tensor& ids,
                                                           int64_t vocab, int64_t block_rows) {
@@ -248,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_group(const at::Tensor& row_
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> next(vocab);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t first = row_off[std::min(b * block_rows, rows)];
-      const int64_t last = row_off[std::min((b + 1) * block_rows, rows)];
+      const int64_t first_row = std::min(b * block_rows, rows), last_row = std::min((b + 1) * block_rows, rows);
+      const int64_t first = row_off[first_row], last = row_off[last_row];
       std::fill(next.begin(), next.end(), 0);
       for (int64_t e = first; e < last; ++e) {
         TORCH_CHECK(id[e] >= 0 && id[e] < vocab, op, ": id ", id[e], " outside [0, ", vocab, ")");
@@ -262,7 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_group(const at::Tensor& row_
         next[v] = at_;
         at_ += count;
       }
-      for (int64_t r = std::min(b * block_rows, rows); r < std::min((b + 1) * block_rows, rows); ++r) {
+      for (int64_t r = first_row; r < last_row; ++r) {
         for (int64_t e = row_off[r]; e < row_off[r + 1]; ++e) {
           const int64_t at_e = next[id[e]]++;
           ord[at_e] = e;
@@ -281,9 +284,12 @@ at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const a
   check_matrix(op, hidden, "hidden", h);
   check_matrix(op, weight, "weight", h);
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden and weight must share a dtype");
-  const Groups g = Groups::of(op, offsets, order, rows, weight.size(0), block_rows);
-  at::Tensor out = at::empty({order.numel()}, hidden.options().dtype(at::kFloat));
+  const Groups g = Groups::of(op, offsets, rows, weight.size(0), block_rows);
+  check_index(op, order, "order");
+  TORCH_CHECK(order.numel() == g.entries, op, ": order and rows differ in length");
+  at::Tensor out = at::empty({g.entries}, hidden.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
+  const int64_t* ord = order.data_ptr<int64_t>();
   GSPO_DISPATCH_LOGITS(hidden.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* hid = hidden.const_data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
@@ -302,7 +308,7 @@ at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const a
           const int64_t count = std::min(kDotsAtOnce, last - e);
           for (int64_t j = 0; j < count; ++j) t[j] = hid + g.rows[e + j] * h;
           entry_dots(w_row, row.data(), t, count, h, result, bf16_dot);
-          for (int64_t j = 0; j < count; ++j) dst[g.order[e + j]] = result[j];
+          for (int64_t j = 0; j < count; ++j) dst[ord[e + j]] = result[j];
         }
       }
     });
@@ -311,14 +317,12 @@ at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const a
 }
 
 at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, const at::Tensor& offsets,
-                            const at::Tensor& order, const at::Tensor& grouped_rows, int64_t rows,
-                            int64_t block_rows, bool round) {
+                            const at::Tensor& grouped_rows, int64_t rows, int64_t block_rows, bool round) {
   const char* op = "gspo_kernels::kept_hidden_grad";
   const int64_t h = weight.size(-1);
   check_matrix(op, weight, "weight", h);
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == order.numel(), op,
-              ": dx must be contiguous float32, one per entry, in grouped order");
-  const Groups g = Groups::of(op, offsets, order, grouped_rows, weight.size(0), block_rows);
+  const Groups g = Groups::of(op, offsets, grouped_rows, weight.size(0), block_rows);
+  check_grouped_dx(op, dx, g);
   TORCH_CHECK(g.blocks == std::max<int64_t>(1, (rows + block_rows - 1) / block_rows), op,
               ": offsets do not match rows / block_rows");
   at::Tensor out = at::empty({rows, h}, weight.options().dtype(round ? weight.scalar_type() : at::kFloat));
@@ -357,15 +361,13 @@ at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, cons
 }
 
 std::tuple<at::Tensor, at::Tensor> kept_weight_grad(const at::Tensor& dx, const at::Tensor& hidden,
-                                                    const at::Tensor& offsets, const at::Tensor& order,
-                                                    const at::Tensor& grouped_rows, int64_t vocab,
-                                                    int64_t block_rows) {
+                                                    const at::Tensor& offsets, const at::Tensor& grouped_rows,
+                                                    int64_t vocab, int64_t block_rows) {
   const char* op = "gspo_kernels::kept_weight_grad";
   const int64_t h = hidden.size(-1);
   check_matrix(op, hidden, "hidden", h);
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == order.numel(), op,
-              ": dx must be contiguous float32, one per entry, in grouped order");
-  const Groups g = Groups::of(op, offsets, order, grouped_rows, vocab, block_rows);
+  const Groups g = Groups::of(op, offsets, grouped_rows, vocab, block_rows);
+  check_grouped_dx(op, dx, g);
   at::Tensor out = at::empty({vocab, h}, hidden.options());
   advise_huge_pages(out);  // every row is written, the unkept ids' with zeros
   at::Tensor bias = at::empty({vocab}, hidden.options().dtype(at::kFloat));
@@ -394,8 +396,7 @@ std::tuple<at::Tensor, at::Tensor> kept_weight_grad(const at::Tensor& dx, const 
         float bias_sum = 0.f;
         for (const float x : c) bias_sum += x;
         db[v] = bias_sum;
-        std::fill_n(acc.data(), h, 0.f);
-        add_rows(c.data(), t.data(), static_cast<int64_t>(c.size()), h, acc.data());
+        sum_rows(c.data(), t.data(), static_cast<int64_t>(c.size()), h, acc.data());
         round_into(acc.data(), dst + v * h, h);
       }
     });

@@ -96,6 +96,27 @@ Vec map_slope(const Vec& z, const LogitMap& map) {
   return Vec(map.scale * map.cap) * (Vec(1.f) - t * t);
 }
 
+// One live row's entries x[0:n] into d: each entry's gradient term times dz/dx, the one-hot term at
+// `target` (-1: none). kEntropy: with the entropy term (h its upstream gradient).
+template <bool kEntropy>
+void grad_row(const float* x, float* d, int64_t n, int64_t target, float lse, float ent, float g, float h,
+              const LogitMap& map) {
+  // dz/dx only where dz is not 0 (a -inf logit's slope may be infinite).
+  auto scalar_dx = [&](float xi, float one_hot) {
+    const float dz = softmax_grad_term<ScalarOps, kEntropy>(xi - lse, ent, -g, -h) + one_hot;
+    return dz == 0.f ? 0.f : dz * map.slope(xi);
+  };
+  const Vec vlse(lse), vent(ent), vneg_g(-g), vneg_h(-h), vzero(0.f);
+  const int64_t n_vec = n - n % Vec::size();
+  for (int64_t i = 0; i < n_vec; i += Vec::size()) {
+    const Vec zi = Vec::loadu(x + i);
+    const Vec term = softmax_grad_term<VecOps, kEntropy>(zi - vlse, vent, vneg_g, vneg_h);
+    Vec::blendv(term * map_slope(zi, map), vzero, term == vzero).store(d + i);
+  }
+  for (int64_t i = n_vec; i < n; ++i) d[i] = scalar_dx(x[i], 0.f);
+  if (target >= 0) d[target] = scalar_dx(x[target], g);  // the one-hot term, at the target's entry
+}
+
 at::Tensor kept_softmax_grad(const at::Tensor& z, const at::Tensor& offsets, const at::Tensor& target_pos,
                              const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& grad_logp,
                              const c10::optional<at::Tensor>& grad_entropy, const c10::optional<at::Tensor>& row_mask,
@@ -137,26 +158,11 @@ at::Tensor kept_softmax_grad(const at::Tensor& z, const at::Tensor& offsets, con
         std::fill_n(d, n, 0.f);
         continue;
       }
-      const Vec vlse(ls[r]), vent(ent[r]), vneg_g(-g[r]), vneg_h(-hr), vzero(0.f);
-      const int64_t n_vec = n - n % Vec::size();
-      for (int64_t i = 0; i < n_vec; i += Vec::size()) {
-        const Vec zi = Vec::loadu(x + i);
-        const Vec term = h == nullptr ? softmax_grad_term<VecOps, false>(zi - vlse, vent, vneg_g, vneg_h)
-                                      : softmax_grad_term<VecOps, true>(zi - vlse, vent, vneg_g, vneg_h);
-        // dz/dx only where dz is not 0 (a -inf logit's slope may be infinite).
-        Vec::blendv(term * map_slope(zi, map), vzero, term == vzero).store(d + i);
-      }
-      for (int64_t i = n_vec; i < n; ++i) {
-        const float term = h == nullptr ? softmax_grad_term<ScalarOps, false>(x[i] - ls[r], ent[r], -g[r], -hr)
-                                        : softmax_grad_term<ScalarOps, true>(x[i] - ls[r], ent[r], -g[r], -hr);
-        d[i] = term == 0.f ? 0.f : term * map.slope(x[i]);
-      }
-      if (tp[r] >= 0) {  // the one-hot term, at the target's entry
-        const float* xt = x + (tp[r] - off[r]);
-        const float term = h == nullptr ? softmax_grad_term<ScalarOps, false>(*xt - ls[r], ent[r], -g[r], -hr)
-                                        : softmax_grad_term<ScalarOps, true>(*xt - ls[r], ent[r], -g[r], -hr);
-        const float dz = term + g[r];
-        d[tp[r] - off[r]] = dz == 0.f ? 0.f : dz * map.slope(*xt);
+      const int64_t target = tp[r] >= 0 ? tp[r] - off[r] : -1;
+      if (h == nullptr) {
+        grad_row<false>(x, d, n, target, ls[r], ent[r], g[r], 0.f, map);
+      } else {
+        grad_row<true>(x, d, n, target, ls[r], ent[r], g[r], hr, map);
       }
     }
   });

@@ -69,11 +69,11 @@ if _C is not None:
         return hidden.new_empty(order.shape, dtype=torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_hidden_grad")
-    def _(dx, weight, offsets, order, rows, n_rows, block_rows, round):
+    def _(dx, weight, offsets, rows, n_rows, block_rows, round):
         return weight.new_empty((n_rows, weight.shape[1]), dtype=weight.dtype if round else torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_weight_grad")
-    def _(dx, hidden, offsets, order, rows, vocab, block_rows):
+    def _(dx, hidden, offsets, rows, vocab, block_rows):
         return hidden.new_empty((vocab, hidden.shape[1])), hidden.new_empty((vocab,), dtype=torch.float32)
 
     @torch.library.register_fake("gspo_kernels::logits_grad_")
@@ -111,12 +111,12 @@ def kept_dots(hidden, weight, offsets, order, rows, block_rows: int):
     return torch.ops.gspo_kernels.kept_dots(hidden, weight, offsets, order, rows, block_rows)
 
 
-def kept_hidden_grad(dx, weight, offsets, order, rows, n_rows: int, block_rows: int, round_: bool):
-    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, offsets, order, rows, n_rows, block_rows, round_)
+def kept_hidden_grad(dx, weight, offsets, rows, n_rows: int, block_rows: int, round_: bool):
+    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, offsets, rows, n_rows, block_rows, round_)
 
 
-def kept_weight_grad(dx, hidden, offsets, order, rows, vocab: int, block_rows: int):
-    return torch.ops.gspo_kernels.kept_weight_grad(dx, hidden, offsets, order, rows, vocab, block_rows)
+def kept_weight_grad(dx, hidden, offsets, rows, vocab: int, block_rows: int):
+    return torch.ops.gspo_kernels.kept_weight_grad(dx, hidden, offsets, rows, vocab, block_rows)
 
 
 # The softmax over the kept entries (csrc/cpu/kept_softmax.cpp; token_stats/kept_softmax.py).

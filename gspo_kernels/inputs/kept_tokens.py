@@ -50,10 +50,12 @@ class KeptTokens:
             raise ValueError(f"KeptTokens.token_ids are on {ids.device} but offsets on {offsets.device}")
         if offsets.numel() < 1:
             raise ValueError("KeptTokens.offsets must have N + 1 entries (N token rows); got none")
-        _check_sets(offsets.cpu(), ids.cpu(), self.vocab_size)
+        _check_offsets(offsets.cpu(), ids.numel())
         counts = offsets[1:] - offsets[:-1]
         rows = torch.arange(counts.numel(), device=offsets.device)
-        object.__setattr__(self, "row_index", torch.repeat_interleave(rows, counts, output_size=ids.numel()))
+        row_index = torch.repeat_interleave(rows, counts, output_size=ids.numel())
+        _check_ids(row_index.cpu(), ids.cpu(), self.vocab_size)
+        object.__setattr__(self, "row_index", row_index)
 
     @property
     def rows(self) -> int:
@@ -87,8 +89,9 @@ class KeptTokens:
         rows = ids.reshape(-1, ids.shape[-1]).to(torch.int64)
         present = rows != fill
         # fill only after the ids: a row's ids must be a prefix, or the positions would not say the order
-        if bool((present[:, 1:] & ~present[:, :-1]).any()):
-            bad = int((present[:, 1:] & ~present[:, :-1]).any(1).nonzero()[0])
+        after_fill = (present[:, 1:] & ~present[:, :-1]).any(1)
+        if bool(after_fill.any()):
+            bad = int(after_fill.nonzero()[0])
             raise ValueError(f"KeptTokens.from_padded: row {bad} has an id after a fill value {fill}; put each "
                              "row's ids first")
         counts = present.sum(1)
@@ -164,17 +167,20 @@ def _per_token_sets(response) -> list:
     return [ids[offsets[t]:offsets[t + 1]] for t in range(len(offsets) - 1)]
 
 
-def _check_sets(offsets: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
-    """The sets alone (host tensors): offsets, ids in range, no id twice in a row."""
-    if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel():
-        raise ValueError(f"KeptTokens.offsets must start at 0 and end at nnz = {ids.numel()} (the number of "
+def _check_offsets(offsets: torch.Tensor, nnz: int) -> None:
+    """The offsets (a host tensor): from 0 to nnz, never falling."""
+    if int(offsets[0]) != 0 or int(offsets[-1]) != nnz:
+        raise ValueError(f"KeptTokens.offsets must start at 0 and end at nnz = {nnz} (the number of "
                          f"token_ids); got {int(offsets[0])} and {int(offsets[-1])}")
     falls = offsets[1:] < offsets[:-1]
     if bool(falls.any()):
         row = int(falls.nonzero()[0])
         raise ValueError(f"KeptTokens.offsets fall at row {row} ({int(offsets[row])} then {int(offsets[row + 1])}): "
                          "they must not decrease")
-    rows = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
+
+
+def _check_ids(rows: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
+    """The ids (host tensors, rows: each entry's row): in range, none twice in a row."""
     outside = (ids < 0) | (ids >= vocab_size)
     if bool(outside.any()):
         entry = int(outside.nonzero()[0])

@@ -66,7 +66,9 @@ def block_rows(hidden: torch.Tensor, vocab: int, entries: int) -> int:
 
 
 class KeptProducts:
-    """The products of one call's entries: NativeKeptProducts on a CPU, TorchKeptProducts elsewhere."""
+    """The products of one call's entries: NativeKeptProducts on a CPU, TorchKeptProducts elsewhere.
+    logits() gives x without the bias; grads(dx, ...) gives (d hidden, d weight, d bias), d hidden
+    in float32 or rounded to the weight's dtype, d weight in the weight's dtype, d bias float32."""
 
     @staticmethod
     def of(entries: KeptEntries, hidden: torch.Tensor, weight: torch.Tensor) -> "KeptProducts":
@@ -83,29 +85,21 @@ class NativeKeptProducts(KeptProducts):
         self.block_rows = block_rows(hidden, weight.shape[0], entries.ids.numel())
         self.order, self.offsets, self.rows = native_backend.kept_group(entries.offsets, entries.ids,
                                                                         weight.shape[0], self.block_rows)
-        self._grouped_dx = None
 
-    def _groups(self) -> tuple:
-        return self.offsets, self.order, self.rows
+    def logits(self) -> torch.Tensor:
+        return native_backend.kept_dots(self.hidden, self.weight, self.offsets, self.order, self.rows,
+                                        self.block_rows)
 
-    def _grouped(self, dx) -> torch.Tensor:
-        """dx in the grouping's order, which the C++ sums read it in (once for both)."""
-        if self._grouped_dx is None or self._grouped_dx[0] is not dx:
-            self._grouped_dx = (dx, dx.index_select(0, self.order))
-        return self._grouped_dx[1]
-
-    def logits(self, bias) -> torch.Tensor:
-        x = native_backend.kept_dots(self.hidden, self.weight, *self._groups(), self.block_rows)
-        return x if bias is None else x + bias[self.entries.ids].to(x.dtype)
-
-    def hidden_grad(self, dx, round_: bool) -> torch.Tensor:
-        return native_backend.kept_hidden_grad(self._grouped(dx), self.weight, *self._groups(), self.entries.rows,
-                                               self.block_rows, round_)
-
-    def weight_grad(self, dx) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d weight in the weight's dtype, d bias in float32)."""
-        return native_backend.kept_weight_grad(self._grouped(dx), self.hidden, *self._groups(), self.weight.shape[0],
-                                               self.block_rows)
+    def grads(self, dx, need_hidden: bool, need_weight: bool, round_hidden: bool) -> tuple:
+        grouped = dx.index_select(0, self.order)  # the order the C++ sums read dx in
+        d_hidden = d_weight = d_bias = None
+        if need_hidden:
+            d_hidden = native_backend.kept_hidden_grad(grouped, self.weight, self.offsets, self.rows,
+                                                       self.entries.rows, self.block_rows, round_hidden)
+        if need_weight:
+            d_weight, d_bias = native_backend.kept_weight_grad(grouped, self.hidden, self.offsets, self.rows,
+                                                               self.weight.shape[0], self.block_rows)
+        return d_hidden, d_weight, d_bias
 
 
 class TorchKeptProducts(KeptProducts):
@@ -113,16 +107,21 @@ class TorchKeptProducts(KeptProducts):
         self.entries, self.hidden, self.weight = entries, hidden, weight
         self.dtype = _compute_dtype(hidden)
 
-    def logits(self, bias) -> torch.Tensor:
+    def logits(self) -> torch.Tensor:
         entries, hidden = self.entries, self.hidden
         x = torch.empty(entries.ids.numel(), dtype=self.dtype, device=hidden.device)
         for _, _, e0, e1 in _slabs(entries.offsets, 2 * hidden.shape[1]):
             w = self.weight[entries.ids[e0:e1]].to(self.dtype)
             h = hidden[entries.row_index[e0:e1]].to(self.dtype)
             x[e0:e1] = (w * h).sum(-1)
-        return x if bias is None else x + bias[entries.ids].to(x.dtype)
+        return x
 
-    def hidden_grad(self, dx, round_: bool) -> torch.Tensor:
+    def grads(self, dx, need_hidden: bool, need_weight: bool, round_hidden: bool) -> tuple:
+        d_hidden = self._hidden_grad(dx, round_hidden) if need_hidden else None
+        d_weight, d_bias = self._weight_grad(dx) if need_weight else (None, None)
+        return d_hidden, d_weight, d_bias
+
+    def _hidden_grad(self, dx, round_: bool) -> torch.Tensor:
         entries, weight = self.entries, self.weight
         out = torch.zeros(entries.rows, weight.shape[1], dtype=dx.dtype, device=dx.device)
         for a, b, e0, e1 in _slabs(entries.offsets, weight.shape[1]):
@@ -131,7 +130,7 @@ class TorchKeptProducts(KeptProducts):
                 out[a:b] = torch.segment_reduce(parts, "sum", offsets=entries.offsets[a:b + 1] - e0)
         return out.to(weight.dtype) if round_ else out
 
-    def weight_grad(self, dx) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weight_grad(self, dx) -> tuple[torch.Tensor, torch.Tensor]:
         vocab = self.weight.shape[0]
         order = torch.sort(self.entries.ids, stable=True).indices  # by id, rows ascending within
         offsets = torch.zeros(vocab + 1, dtype=torch.int64, device=dx.device)

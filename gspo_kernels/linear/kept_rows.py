@@ -50,11 +50,13 @@ class KeptRowsTokenStats(torch.autograd.Function):
                 target_pos: torch.Tensor):
         entries = KeptEntries.of(kept, target_pos, plan.tp_slice)
         products = KeptProducts.of(entries, hidden, weight)
-        z = plan.logit_map.apply_(products.logits(bias))
+        x = products.logits()
+        if bias is not None:
+            x = x + bias.index_select(0, entries.ids).to(x.dtype)
+        z = plan.logit_map.apply_(x)
         logp, entropy, lse = kept_stats(z, entries)
         if plan.tp_slice is not None:
-            start, size = plan.tp_slice.start, plan.tp_slice.size
-            owned = (targets >= start) & (targets < start + size)
+            _, owned = plan.tp_slice.local_targets(targets)
             logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)
         ctx.save_for_backward(hidden, weight, bias, z, lse, entropy, row_mask)
         ctx.plan, ctx.entries, ctx.products = plan, entries, products
@@ -71,16 +73,14 @@ class KeptRowsTokenStats(torch.autograd.Function):
         grad_logp, grad_entropy = upstream_grads(grad_logp, grad_entropy, lse)
         dx = kept_grad(z, entries, lse, entropy, grad_logp, grad_entropy, row_mask, plan.logit_map)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        d_hidden = d_weight = d_bias = None
-        if need_hidden:
-            # A slice's partial d hidden is summed over ranks in float32, then rounded once.
-            d_hidden = products.hidden_grad(dx, round_=not plan.reduce_hidden_grad)
+        # A slice's partial d hidden is summed over ranks in float32, then rounded once; each id's
+        # d weight is summed in float32 whatever weight_grad_fp32 says, then rounded once.
+        d_hidden, d_weight, d_bias = products.grads(dx, need_hidden, need_weight or need_bias,
+                                                    round_hidden=not plan.reduce_hidden_grad)
+        if d_hidden is not None:
             if plan.reduce_hidden_grad:
                 d_hidden = sum_over_ranks(d_hidden, plan.tp_slice.group, plan.linear.batch_invariant)
             d_hidden = d_hidden.to(hidden.dtype)
-        if need_weight or need_bias:  # each id's sum in float32 whatever weight_grad_fp32 says: one rounding
-            d_weight, d_bias = products.weight_grad(dx)
-            d_weight = _as_full_product(d_weight, hidden, entries)
-            d_weight = d_weight if need_weight else None
-            d_bias = d_bias.to(bias.dtype) if need_bias else None
+        d_weight = _as_full_product(d_weight, hidden, entries) if need_weight else None
+        d_bias = d_bias.to(bias.dtype) if need_bias else None
         return (d_hidden, d_weight, d_bias) + none

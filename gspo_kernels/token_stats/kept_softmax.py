@@ -48,15 +48,14 @@ class KeptEntries:
             return KeptEntries(kept.offsets, kept.row_index, kept.token_ids, target_pos)
         local = kept.token_ids - tp_slice.start
         select = (local >= 0) & (local < tp_slice.size)
-        counts = torch.zeros(kept.rows, dtype=torch.int64, device=kept.device)
-        counts.index_add_(0, kept.row_index[select], torch.ones_like(local[select]))
+        row_index, ids = kept.row_index[select], local[select]
         offsets = torch.zeros(kept.rows + 1, dtype=torch.int64, device=kept.device)
-        offsets[1:] = torch.cumsum(counts, 0)
+        offsets[1:] = torch.cumsum(torch.bincount(row_index, minlength=kept.rows), 0)
         new_index = torch.cumsum(select.to(torch.int64), 0) - 1  # an entry's place among the selected
         found = target_pos >= 0
         at = target_pos.clamp(min=0)
         target_pos = torch.where(found & select[at], new_index[at], torch.full_like(target_pos, -1))
-        return KeptEntries(offsets, kept.row_index[select], local[select], target_pos)
+        return KeptEntries(offsets, row_index, ids, target_pos)
 
 
 def _native(z: torch.Tensor) -> bool:

@@ -2,9 +2,10 @@
 gathered (nnz values), their softmax taken over the set alone (kept_softmax.py), and backward
 writes the gradient of those logits only; every other logit's gradient is 0.
 
-The work beside the gradient's zero fill is O(nnz), the same PyTorch ops on every device, so the
-`backend` option changes nothing here. Backward reads the saved mapped logits of the entries, not
-the logits: with inplace=True it zeroes the logits' storage and writes the gradient there.
+The work beside the gradient's zero fill is O(nnz) whatever the backend option says (C++ for
+float32 on a CPU, PyTorch ops elsewhere: kept_softmax.py). Backward reads the saved mapped logits
+of the entries, not the logits: with inplace=True it zeroes the logits' storage and writes the
+gradient there.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class KeptTokenStatsFunction(torch.autograd.Function):
         z = logit_map.apply_(logits[index].to(stats_dtype))
         logp, entropy, lse = kept_stats(z, entries)
         if tp_slice is not None:
-            owned = (targets.reshape(-1) >= tp_slice.start) & (targets.reshape(-1) < tp_slice.start + tp_slice.size)
+            _, owned = tp_slice.local_targets(targets.reshape(-1))
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)
         ctx.save_for_backward(logits, z, lse, entropy, row_mask)
         ctx.entries, ctx.index, ctx.logit_map, ctx.inplace = entries, index, logit_map, inplace

@@ -47,3 +47,16 @@ def cpu_megatron() -> None:
     transformer_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = causal_mask
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.current_device = lambda: "cpu"
+
+
+def kept_sets_of(labels: torch.Tensor, vocab: int, size: int, seed: int):
+    """Random kept sets of `size` ids for the labels' rows (their flattened order), each holding its
+    label: the engine's sets as kept_tokens takes them."""
+    from gspo_kernels import KeptTokens
+
+    gen = torch.Generator().manual_seed(seed)
+    sets = []
+    for label in labels.reshape(-1).tolist():
+        ids = torch.randperm(vocab, generator=gen)[:size].tolist()
+        sets.append(ids if label in ids else ids[:-1] + [label])
+    return KeptTokens.from_lists(sets, vocab)

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_world import megatron_worker  # noqa: E402
+from megatron_world import kept_sets_of, megatron_worker  # noqa: E402
 from trainer_world import run  # noqa: E402
 from gspo_kernels.testing.verify import relative_error  # noqa: E402
 
@@ -122,17 +122,11 @@ def _loss_checks(rank):
 
 
 def _kept_tokens_checks(rank):
-    from gspo_kernels import KeptTokens
     from gspo_kernels.integrations import megatron as gm
     from gspo_kernels.testing import reference
 
     logits, labels, loss_mask, old, adv, upstream = _problem(torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    sets = []
-    for label in labels.reshape(-1).tolist():
-        ids = torch.randperm(V, generator=gen)[:6].tolist()
-        sets.append(ids if label in ids else ids[:-1] + [label])
-    kept = KeptTokens.from_lists(sets, V)
+    kept = kept_sets_of(labels, V, size=6, seed=5)
     whole = logits.double().transpose(0, 1).contiguous().requires_grad_()
     ref_loss, _ = reference.gspo_loss(whole, labels, old, adv, mask=loss_mask.bool(), kept_tokens=kept, **CLIP)
     ref_loss.backward()

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_world import megatron_worker  # noqa: E402
+from megatron_world import kept_sets_of, megatron_worker  # noqa: E402
 from trainer_world import run  # noqa: E402
 from gspo_kernels.testing.verify import relative_error  # noqa: E402
 
@@ -113,16 +113,10 @@ def _output_layer_checks(rank):
 def _kept_tokens_checks(rank, hidden, weight, bias, labels, mask, old, adv):
     """The engine's kept sets (global ids, rows in the labels' [b, s] order), sequence parallel:
     only this shard's kept weight rows are multiplied; loss and gradients against the reference."""
-    from gspo_kernels import KeptTokens
     from gspo_kernels.integrations import megatron as gm
     from gspo_kernels.testing import reference
 
-    gen = torch.Generator().manual_seed(9)
-    sets = []
-    for label in labels.reshape(-1).tolist():
-        ids = torch.randperm(V, generator=gen)[:5].tolist()
-        sets.append(ids if label in ids else ids[:-1] + [label])
-    kept = KeptTokens.from_lists(sets, V)
+    kept = kept_sets_of(labels, V, size=5, seed=9)
     h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
     ref_loss, _ = reference.gspo_loss(h64.transpose(0, 1) @ w64.T + b64, labels, old, adv, mask=mask,
                                       kept_tokens=kept, **CLIP)
