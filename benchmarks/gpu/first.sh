@@ -65,8 +65,6 @@ run "CUDA-graph replay against eager, N = 2048 and 16384" 1 60 \
 run "fused linear, N = 16384 in sequences of 1024, H = 4096, V = 151936, bf16: one and two passes, the tiles, Liger and CCE (with .whl) against the materialized path" 1 120 \
     'compgen -G ".whl/*.whl" >/dev/null && "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .whl/liger_kernel-*.whl .whl/cut_cross_entropy-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/peers";
 "$PY" -m gspo_kernels bench --linear 16384x4096x151936/1024 --providers materialized,fused,fused_two_pass,fused_tiles,liger,cce --modes fwd+bwd --reps 3 --budget 10 --json "$OUT/gpu_bench_linear.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench_linear.txt"'
-run "fused linear over the engine's kept sets (k = 64 and 512, PyTorch products) against the full vocabulary, N = 16384, H = 4096, V = 151936, bf16" 1 90 \
-    '"$PY" -m gspo_kernels bench --linear 16384x4096x151936/1024 --providers fused,kept_64,kept_512 --modes fwd+bwd --reps 3 --budget 10 --json "$OUT/gpu_bench_kept.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench_kept.txt"'
 run "batch invariance at N = 4096 (rows alone against in a batch)" 1 60 \
     '"$PY" benchmarks/gpu/batch_invariance_probe.py --device cuda --paths cuda,triton,tiles --sizes 4096 --hidden 4096 --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/batch_invariance.txt" | tail -n 6'
 # What the budget leaves after the headline goes to these, in this order; each is skipped once
@@ -76,6 +74,8 @@ run "distributed: the NCCL path in a group of one GPU" 1 60 \
 run "test suite on the GPU: the cuda and triton tests (one line a test)" 1 240 \
     '"$PY" -m pytest tests -v -p no:cacheprovider --maxfail 25 -k "(cuda or triton) and not compile" > "$OUT/pytest_gpu.txt" 2>&1; rc=$?;
 grep -E "FAILED|ERROR" "$OUT/pytest_gpu.txt" | head -n 30; tail -n 2 "$OUT/pytest_gpu.txt"; exit $rc'
+run "fused linear over the engine's kept sets (k = 64 and 512, PyTorch products) against the full vocabulary, N = 16384, H = 4096, V = 151936, bf16" 1 90 \
+    '"$PY" -m gspo_kernels bench --linear 16384x4096x151936/1024 --providers fused,kept_64,kept_512 --modes fwd+bwd --reps 3 --budget 10 --json "$OUT/gpu_bench_kept.json" 2>&1 | grep -v "^\[" | tee "$OUT/gpu_bench_kept.txt"'
 run "Megatron-Core against ours, N = 16384, V = 151936, bf16 (needs .whl)" 1 120 \
     'compgen -G ".whl/*.whl" >/dev/null || { echo "SKIPPED: no .whl carried"; exit 0; };
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site";
