@@ -24,7 +24,7 @@ from gspo_kernels.testing import reference
 
 from fuzz_case import FuzzCase
 from fuzz_layouts import lay_out, logits_base
-from fuzz_ties import TIE_MARGIN, midpoint_threshold, near_tie, off_policy_gaps
+from fuzz_ties import TIE_MARGIN, midpoint_threshold, near_sampling_tie, near_tie, off_policy_gaps
 
 @dataclass
 class Built:
@@ -344,6 +344,7 @@ def build(case: FuzzCase) -> Built:
                   mask=mask, in_response=in_response, seq_rows=seq_rows, lp64=lp64, ent64=ent64,
                   weight=weight, weight_view=weight_view, bias=bias, kept_tokens=kept, reference_kept=reference_kept)
     if case.entry == "selective_log_softmax":
+        built.near_tie = near_sampling_tie(built, opts)
         return built
 
     pdtype = _dtype(case.logprob_dtype)

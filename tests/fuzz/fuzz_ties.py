@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from gspo_kernels.testing import reference
+
 # Kinks closer than this (in log-ratio units, or nats of entropy) to a value are "near ties".
 # float32 log-probs are good to ~1e-6 here (|lp| < 50), so 1e-4 leaves a wide margin.
 TIE_MARGIN = 1e-4
@@ -155,4 +157,33 @@ def near_tie(built, opts: dict) -> str | None:
         hit = _near(kl.tolist() + (ref[rows] - lp[rows]).tolist(), [-c, c, -20.0, 20.0])
         if hit is not None:
             return f"KL {hit} at its clamp"
+    return None
+
+
+def near_sampling_tie(built, opts: dict) -> str | None:
+    """Why the sampler's kept set (sampling_top_p / _min_p) could differ between float32 and
+    float64, or None: a row whose top-p mass above some token, or whose probability ratio to the
+    largest, lies within rounding of the bound. A soft-cap saturates many logits to one float32
+    value (top_p = 0.8 over five equal ones is then exactly on the bound)."""
+    top_p, min_p = opts.get("sampling_top_p"), opts.get("sampling_min_p")
+    if top_p is None and min_p is None:
+        return None
+    z = built.logits64.reshape(-1, built.logits64.shape[-1]) * opts.get("logit_scale", 1.0)
+    if opts.get("logit_softcap") is not None:
+        z = opts["logit_softcap"] * torch.tanh(z / opts["logit_softcap"])
+    z = z / opts.get("temperature", 1.0)
+    finite = torch.isfinite(z).all(-1)
+    z = z[finite]
+    if z.numel() == 0:
+        return None
+    probs = torch.softmax(z, -1)
+    if min_p is not None and bool(((probs / probs.amax(-1, keepdim=True) - min_p).abs() < TIE_MARGIN).any()):
+        return f"a probability within {TIE_MARGIN} of min_p = {min_p} times its row's largest"
+    if top_p is not None:  # over what min_p and top_k keep, renormalised (the sampler's order)
+        raw = built.logits64.reshape(-1, built.logits64.shape[-1])[finite]
+        kept = reference.sampler_kept(z, opts.get("sampling_top_k"), None, min_p, order=raw)
+        ranked = torch.softmax(torch.where(kept, z, -math.inf), -1).sort(-1, descending=True).values
+        above = ranked.cumsum(-1) - ranked
+        if bool(((above - top_p).abs() < TIE_MARGIN).any()):
+            return f"a row's mass above a token within {TIE_MARGIN} of top_p = {top_p}"
     return None
