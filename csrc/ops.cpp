@@ -42,13 +42,15 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def("kept_group(Tensor row_offsets, Tensor ids, int vocab, int block_rows) -> (Tensor, Tensor, Tensor)");
   m.def("kept_dots(Tensor hidden, Tensor weight, Tensor offsets, Tensor order, Tensor rows, int block_rows) "
         "-> Tensor");
-  m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor offsets, Tensor rows, int n_rows, int block_rows, "
+  m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor row_offsets, Tensor ids, int tile_rows, int block_ids, "
         "bool round) -> Tensor");
   m.def("kept_weight_grad(Tensor dx, Tensor hidden, Tensor offsets, Tensor rows, int vocab, int block_rows) "
         "-> (Tensor, Tensor)");
   // The softmax over each row's kept entries (csrc/cpu/kept_softmax.cpp): z float32 (nnz,), CSR
-  // rows by offsets, target_pos the target's entry per row or -1; the per-row statistics, and each
+  // rows by offsets, target_pos the target's entry per row or -1 (kept_target_positions: a
+  // row's first id equal to its target); the per-row statistics, and each
   // entry's gradient under the kernels' row rule and the logit map's slope.
+  m.def("kept_target_positions(Tensor offsets, Tensor ids, Tensor targets) -> Tensor");
   m.def("kept_softmax_stats(Tensor z, Tensor offsets, Tensor target_pos) -> (Tensor, Tensor, Tensor)");
   m.def("kept_softmax_grad(Tensor z, Tensor offsets, Tensor target_pos, Tensor lse, Tensor entropy, "
         "Tensor grad_logp, Tensor? grad_entropy, Tensor? row_mask, float inv_temperature, float softcap) -> Tensor");

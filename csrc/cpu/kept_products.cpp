@@ -5,12 +5,13 @@
 //   kept_hidden_grad   dh[r]    = sum_{e of row r} dx[e] * weight[v_e]          (N, H)
 //   kept_weight_grad   dW[v]    = sum_{e of id v} dx[e] * hidden[r_e]           (V, H), and db[v]
 //
-// kept_group first orders the entries by block of rows, then by id, then by row (a counting sort
-// per block); dx comes in that grouped order. A block's hidden rows (block_rows x H,
+// For the logits and d weight, kept_group first orders the entries by block of rows, then by id,
+// then by row (a counting sort per block); dx comes in that grouped order. A block's hidden rows (block_rows x H,
 // linear/kept_products.py's block_rows) then stay in a core's L2 while each weight row is read
 // once per block, whole and in id order: on a 2-core AMX Xeon (N = 2048,
 // H = 512, V = 32768, 512 random ids a row) the dot products by token row, which fetch a random
-// weight row from L3 for each entry, took 42.6 ms; by id alone, 25.1 ms.
+// weight row from L3 for each entry, took 42.6 ms; by id alone, 25.1 ms. d hidden reads the sets
+// in their own order (kept_hidden_grad says how).
 //
 // Every sum runs in a fixed order whatever the blocks and threads: dh[r] over its ids ascending,
 // dW[v] over its rows ascending, in float32, rounded once to the operands' dtype. So the bits do
@@ -20,6 +21,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <tuple>
@@ -65,51 +68,76 @@ inline void load2(const half_t* p, Vec& a, Vec& b) {
   load_pair(p, a, b);
 }
 
-// out[j] = x . t[j] for `count` (<= kDotsAtOnce) rows t[j] of width h; x float32.
-template <typename scalar_t>
-void dots(const float* x, const scalar_t* const* t, int64_t count, int64_t h, float* out) {
+// out[j] = x . t[j] for kCount rows t[j] of width h; x float32. kCount is a constant so that the
+// accumulators stay in registers.
+template <int64_t kCount, typename scalar_t>
+void dots(const float* x, const scalar_t* const* t, int64_t h, float* out) {
   constexpr int64_t kW = 2 * Vec::size();
   const int64_t h_vec = h - h % kW;
-  Vec acc[kDotsAtOnce][2];
+  Vec acc[kCount][2];
   for (auto& a : acc) a[0] = a[1] = Vec(0.f);
   for (int64_t i = 0; i < h_vec; i += kW) {
     const Vec x0 = Vec::loadu(x + i), x1 = Vec::loadu(x + i + Vec::size());
-    for (int64_t j = 0; j < count; ++j) {
+    for (int64_t j = 0; j < kCount; ++j) {
       Vec a, b;
       load2(t[j] + i, a, b);
       acc[j][0] = at::vec::fmadd(a, x0, acc[j][0]);
       acc[j][1] = at::vec::fmadd(b, x1, acc[j][1]);
     }
   }
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = 0; j < kCount; ++j) {
     float s = sum_lanes(acc[j][0] + acc[j][1]);
     for (int64_t i = h_vec; i < h; ++i) s += x[i] * static_cast<float>(t[j][i]);
     out[j] = s;
   }
 }
 
+template <typename scalar_t>
+void dots_of_count(const float* x, const scalar_t* const* t, int64_t count, int64_t h, float* out) {
+  static_assert(kDotsAtOnce == 4);
+  switch (count) {
+    case 1: return dots<1>(x, t, h, out);
+    case 2: return dots<2>(x, t, h, out);
+    case 3: return dots<3>(x, t, h, out);
+    default: return dots<4>(x, t, h, out);
+  }
+}
+
 #ifdef GSPO_BF16_DOT
 // The same for bf16 x and t with AVX512-BF16's dot instruction (pairs of bf16 products added into
 // float32 lanes, no widening): where the CPU has it, whatever the build's SIMD level. 2.6x faster
-// than dots() on a 2-core AMX Xeon (N = 2048, H = 512, 512 ids a row).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dots_bf16(const c10::BFloat16* x,
-                                                                        const c10::BFloat16* const* t,
-                                                                        int64_t count, int64_t h, float* out) {
+// than dots() on a 2-core AMX Xeon (N = 2048, H = 512, 512 ids a row). There it runs at about
+// half the instruction's peak (1.68G a second a core), bound by the hidden rows' reads from L2
+// (1 KiB an entry): 11.0 ms for the logits, where batches of 8 entries across segment ends, each
+// with its own weight row, took 12.1 ms.
+template <int64_t kCount>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dots_bf16_n(const c10::BFloat16* x, const c10::BFloat16* const* t,
+                                                                        int64_t h, float* out) {
   constexpr int64_t kW = 64;  // two 32-lane bf16 vectors a step
   const int64_t h_vec = h - h % kW;
-  __m512 acc[kDotsAtOnce][2];
+  __m512 acc[kCount][2];
   for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < h_vec; i += kW) {
     const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + i), x1 = (__m512bh)_mm512_loadu_si512(x + i + 32);
-    for (int64_t j = 0; j < count; ++j) {
+    for (int64_t j = 0; j < kCount; ++j) {
       acc[j][0] = _mm512_dpbf16_ps(acc[j][0], (__m512bh)_mm512_loadu_si512(t[j] + i), x0);
       acc[j][1] = _mm512_dpbf16_ps(acc[j][1], (__m512bh)_mm512_loadu_si512(t[j] + i + 32), x1);
     }
   }
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = 0; j < kCount; ++j) {
     float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
     for (int64_t i = h_vec; i < h; ++i) s += static_cast<float>(x[i]) * static_cast<float>(t[j][i]);
     out[j] = s;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dots_bf16(const c10::BFloat16* x, const c10::BFloat16* const* t,
+                                                                        int64_t count, int64_t h, float* out) {
+  switch (count) {
+    case 1: return dots_bf16_n<1>(x, t, h, out);
+    case 2: return dots_bf16_n<2>(x, t, h, out);
+    case 3: return dots_bf16_n<3>(x, t, h, out);
+    default: return dots_bf16_n<4>(x, t, h, out);
   }
 }
 
@@ -128,14 +156,14 @@ void dots_bf16(const c10::BFloat16*, const c10::BFloat16* const*, int64_t, int64
 template <typename scalar_t>
 void entry_dots(const scalar_t*, const float* row, const scalar_t* const* t, int64_t count, int64_t h, float* out,
                 bool) {
-  dots(row, t, count, h, out);
+  dots_of_count(row, t, count, h, out);
 }
 inline void entry_dots(const c10::BFloat16* w_row, const float* row, const c10::BFloat16* const* t, int64_t count,
                        int64_t h, float* out, bool bf16_dot) {
   if (bf16_dot) {
     dots_bf16(w_row, t, count, h, out);
   } else {
-    dots(row, t, count, h, out);
+    dots_of_count(row, t, count, h, out);
   }
 }
 
@@ -143,35 +171,14 @@ inline void entry_dots(const c10::BFloat16* w_row, const float* row, const c10::
 constexpr int64_t kChunkVecs = 8;
 constexpr int64_t kChunk = kChunkVecs * Vec::size();
 
-// acc_j[0:h] += c_j * t[0:h] for `count` pairs (c_j, acc_j): t's chunk is widened once into
-// registers and added into each accumulator row.
+// acc[0:h] += c_j * t_j[0:h] for `count` rows t_j, added one after another in j's order, a chunk
+// of acc at a time in registers (one rounding a product-add).
 template <typename scalar_t>
-void axpy_many(const scalar_t* t, int64_t h, const float* c, float* const* acc, int64_t count) {
-  const int64_t h_vec = h - h % kChunk;
-  for (int64_t i = 0; i < h_vec; i += kChunk) {
-    Vec tv[kChunkVecs];
-    for (int64_t q = 0; q < kChunkVecs; q += 2) load2(t + i + q * Vec::size(), tv[q], tv[q + 1]);
-    for (int64_t j = 0; j < count; ++j) {
-      const Vec vc(c[j]);
-      float* a = acc[j] + i;
-      for (int64_t q = 0; q < kChunkVecs; ++q) {
-        at::vec::fmadd(tv[q], vc, Vec::loadu(a + q * Vec::size())).store(a + q * Vec::size());
-      }
-    }
-  }
-  for (int64_t j = 0; j < count; ++j) {
-    for (int64_t i = h_vec; i < h; ++i) acc[j][i] += c[j] * static_cast<float>(t[i]);
-  }
-}
-
-// acc[0:h] = sum_j c_j * t_j[0:h] for `count` rows t_j, added one after another in j's order, a
-// chunk of acc at a time in registers.
-template <typename scalar_t>
-void sum_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h, float* acc) {
+void add_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h, float* acc) {
   const int64_t h_vec = h - h % kChunk;
   for (int64_t i = 0; i < h_vec; i += kChunk) {
     Vec sum[kChunkVecs];
-    for (auto& v : sum) v = Vec(0.f);
+    for (int64_t q = 0; q < kChunkVecs; ++q) sum[q] = Vec::loadu(acc + i + q * Vec::size());
     for (int64_t j = 0; j < count; ++j) {
       const Vec vc(c[j]);
       for (int64_t q = 0; q < kChunkVecs; q += 2) {
@@ -184,15 +191,17 @@ void sum_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h
     for (int64_t q = 0; q < kChunkVecs; ++q) sum[q].store(acc + i + q * Vec::size());
   }
   for (int64_t i = h_vec; i < h; ++i) {
-    float s = 0.f;
-    for (int64_t j = 0; j < count; ++j) s += c[j] * static_cast<float>(t[j][i]);
+    float s = acc[i];
+    for (int64_t j = 0; j < count; ++j) s = std::fma(c[j], static_cast<float>(t[j][i]), s);
     acc[i] = s;
   }
 }
 
+// Round to nearest even (NaN stays NaN), vectorized (a scalar loop took ~3 ms of d weight's
+// 32768 rows of 512 on a 2-core AMX Xeon).
 template <typename scalar_t>
 void round_into(const float* acc, scalar_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(acc[i]);
+  at::vec::convert(acc, dst, n);
 }
 
 void check_index(const char* op, const at::Tensor& t, const char* name) {
@@ -316,37 +325,54 @@ at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const a
   return out;
 }
 
-at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, const at::Tensor& offsets,
-                            const at::Tensor& grouped_rows, int64_t rows, int64_t block_rows, bool round) {
+// d hidden from the sets in their own (CSR) order, each row's ids ascending: a tile of rows at a
+// time, its sums (float32, tile_rows x H) kept while the weight is read a block of block_ids ids at
+// a time, each row taking the block's entries from a cursor (its ids ascending, they are
+// consecutive) and adding them onto its sum in a chunk of registers. A row's sum runs over its
+// entries in their order whatever the tile and block, so the bits do not depend on either. Per
+// entry this reads a weight row from the block (in L2) where adding it into a row's sum held in L2
+// moved 4 KiB (at H = 512 float32): 22.8 ms became 18.4 ms on a 2-core AMX Xeon (N = 2048, H = 512,
+// V = 32768, 512 ids a row). Unsorted rows are still summed whole, in their stored order.
+at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, const at::Tensor& row_offsets,
+                            const at::Tensor& ids, int64_t tile_rows, int64_t block_ids, bool round) {
   const char* op = "gspo_kernels::kept_hidden_grad";
-  const int64_t h = weight.size(-1);
+  const int64_t h = weight.size(-1), vocab = weight.size(0);
   check_matrix(op, weight, "weight", h);
-  const Groups g = Groups::of(op, offsets, grouped_rows, weight.size(0), block_rows);
-  check_grouped_dx(op, dx, g);
-  TORCH_CHECK(g.blocks == std::max<int64_t>(1, (rows + block_rows - 1) / block_rows), op,
-              ": offsets do not match rows / block_rows");
+  check_index(op, row_offsets, "row_offsets");
+  check_index(op, ids, "ids");
+  const int64_t rows = row_offsets.numel() - 1;
+  TORCH_CHECK(tile_rows >= 1 && block_ids >= 1, op, ": tile_rows and block_ids must be >= 1");
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == ids.numel(), op,
+              ": dx must be contiguous float32, one per entry");
+  const int64_t* off = row_offsets.data_ptr<int64_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  TORCH_CHECK(rows >= 0 && off[0] == 0 && off[rows] == ids.numel(), op, ": row_offsets must run from 0 to nnz");
   at::Tensor out = at::empty({rows, h}, weight.options().dtype(round ? weight.scalar_type() : at::kFloat));
   const float* d = dx.data_ptr<float>();
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   GSPO_DISPATCH_LOGITS(weight.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    // A block a task: its rows' sums are its own (no two threads add into one row).
-    at::parallel_for(0, g.blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(static_cast<size_t>(g.block_rows * h));
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t first_row = b * g.block_rows, n_rows = std::min(g.block_rows, rows - first_row);
-        if (n_rows <= 0) continue;
+    // A tile a task: its rows' sums are its own (no two threads add into one row).
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(static_cast<size_t>(tile_rows * h));
+      std::vector<int64_t> cursor(tile_rows);
+      std::vector<const scalar_t*> t;
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t first_row = tile * tile_rows, n_rows = std::min(tile_rows, rows - first_row);
         std::fill_n(acc.data(), n_rows * h, 0.f);
-        float c[kDotsAtOnce];
-        float* rows_acc[kDotsAtOnce];
-        for (int64_t v = 0; v < g.vocab; ++v) {
-          const int64_t s = b * g.vocab + v;
-          for (int64_t e = g.offsets[s]; e < g.offsets[s + 1]; e += kDotsAtOnce) {
-            const int64_t count = std::min(kDotsAtOnce, g.offsets[s + 1] - e);
-            for (int64_t j = 0; j < count; ++j) {
-              c[j] = d[e + j];
-              rows_acc[j] = acc.data() + (g.rows[e + j] - first_row) * h;
+        std::copy_n(off + first_row, n_rows, cursor.begin());
+        for (int64_t first_id = 0; first_id < vocab; first_id += block_ids) {
+          const int64_t stop = first_id + block_ids >= vocab ? INT64_MAX : first_id + block_ids;
+          for (int64_t j = 0; j < n_rows; ++j) {
+            const int64_t e0 = cursor[j], last = off[first_row + j + 1];
+            int64_t e = e0;
+            for (t.clear(); e < last && id[e] < stop; ++e) {
+              TORCH_CHECK(id[e] >= 0 && id[e] < vocab, op, ": id ", id[e], " outside [0, ", vocab, ")");
+              t.push_back(w + id[e] * h);
             }
-            axpy_many(w + v * h, h, c, rows_acc, count);
+            if (e == e0) continue;
+            cursor[j] = e;
+            add_rows(d + e0, t.data(), e - e0, h, acc.data() + j * h);
           }
         }
         if (round) {
@@ -396,7 +422,8 @@ std::tuple<at::Tensor, at::Tensor> kept_weight_grad(const at::Tensor& dx, const 
         float bias_sum = 0.f;
         for (const float x : c) bias_sum += x;
         db[v] = bias_sum;
-        sum_rows(c.data(), t.data(), static_cast<int64_t>(c.size()), h, acc.data());
+        std::fill(acc.begin(), acc.end(), 0.f);
+        add_rows(c.data(), t.data(), static_cast<int64_t>(c.size()), h, acc.data());
         round_into(acc.data(), dst + v * h, h);
       }
     });

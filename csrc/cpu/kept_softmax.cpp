@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -169,9 +170,35 @@ at::Tensor kept_softmax_grad(const at::Tensor& z, const at::Tensor& offsets, con
   return dx;
 }
 
+// Per row, the entry of its target among the row's ids, or -1: one pass over the entries, where
+// the PyTorch ops (a gather of the targets, a compare, a scatter max) took 9 ms of an 85 ms
+// fused-linear step at k = 512 on a 2-core AMX Xeon (N = 2048). A row's ids are distinct
+// (KeptTokens checks them once), so the first match is the only one.
+at::Tensor kept_target_positions(const at::Tensor& offsets, const at::Tensor& ids, const at::Tensor& targets) {
+  const char* op = "gspo_kernels::kept_target_positions";
+  for (const at::Tensor* t : {&offsets, &ids, &targets}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, op,
+                ": offsets, ids and targets must be contiguous 1-D int64 CPU tensors");
+  }
+  const int64_t rows = offsets.numel() - 1;
+  TORCH_CHECK(rows >= 0 && targets.numel() == rows, op, ": targets must have one id per row (offsets.numel() - 1)");
+  at::Tensor out = at::empty({rows}, targets.options());
+  const int64_t *off = offsets.data_ptr<int64_t>(), *id = ids.data_ptr<int64_t>(), *y = targets.data_ptr<int64_t>();
+  int64_t* pos = out.data_ptr<int64_t>();
+  TORCH_CHECK(rows == 0 || (off[0] == 0 && off[rows] == ids.numel()), op, ": offsets must run from 0 to ids.numel()");
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t* hit = std::find(id + off[r], id + off[r + 1], y[r]);
+      pos[r] = hit == id + off[r + 1] ? -1 : hit - id;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
+  m.impl("kept_target_positions", &kept_target_positions);
   m.impl("kept_softmax_stats", &kept_softmax_stats);
   m.impl("kept_softmax_grad", &kept_softmax_grad);
 }

@@ -18,7 +18,8 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
 # The ops the package calls: an extension built from older sources lacks some, and is refused
 # whole (with the reason) rather than failing at a first call.
 OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand", "kept_group",
-       "kept_dots", "kept_hidden_grad", "kept_weight_grad", "kept_softmax_stats", "kept_softmax_grad")
+       "kept_dots", "kept_hidden_grad", "kept_weight_grad", "kept_target_positions", "kept_softmax_stats",
+       "kept_softmax_grad")
 if _C is not None:
     _missing = [op for op in OPS if not hasattr(torch.ops.gspo_kernels, op)]
     if _missing:
@@ -51,6 +52,10 @@ if _C is not None:
     def _(logits, inv_temperature, softcap, top_k, top_p, min_p):
         return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
 
+    @torch.library.register_fake("gspo_kernels::kept_target_positions")
+    def _(offsets, ids, targets):
+        return torch.empty_like(targets)
+
     @torch.library.register_fake("gspo_kernels::kept_softmax_stats")
     def _(z, offsets, target_pos):
         return tuple(z.new_empty(target_pos.shape) for _ in range(3))
@@ -69,8 +74,9 @@ if _C is not None:
         return hidden.new_empty(order.shape, dtype=torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_hidden_grad")
-    def _(dx, weight, offsets, rows, n_rows, block_rows, round):
-        return weight.new_empty((n_rows, weight.shape[1]), dtype=weight.dtype if round else torch.float32)
+    def _(dx, weight, row_offsets, ids, tile_rows, block_ids, round):
+        return weight.new_empty((row_offsets.shape[0] - 1, weight.shape[1]),
+                                dtype=weight.dtype if round else torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_weight_grad")
     def _(dx, hidden, offsets, rows, vocab, block_rows):
@@ -111,8 +117,8 @@ def kept_dots(hidden, weight, offsets, order, rows, block_rows: int):
     return torch.ops.gspo_kernels.kept_dots(hidden, weight, offsets, order, rows, block_rows)
 
 
-def kept_hidden_grad(dx, weight, offsets, rows, n_rows: int, block_rows: int, round_: bool):
-    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, offsets, rows, n_rows, block_rows, round_)
+def kept_hidden_grad(dx, weight, row_offsets, ids, tile_rows: int, block_ids: int, round_: bool):
+    return torch.ops.gspo_kernels.kept_hidden_grad(dx, weight, row_offsets, ids, tile_rows, block_ids, round_)
 
 
 def kept_weight_grad(dx, hidden, offsets, rows, vocab: int, block_rows: int):
@@ -120,6 +126,10 @@ def kept_weight_grad(dx, hidden, offsets, rows, vocab: int, block_rows: int):
 
 
 # The softmax over the kept entries (csrc/cpu/kept_softmax.cpp; token_stats/kept_softmax.py).
+def kept_target_positions(offsets, ids, targets):
+    return torch.ops.gspo_kernels.kept_target_positions(offsets, ids, targets)
+
+
 def kept_softmax_stats(z, offsets, target_pos):
     return torch.ops.gspo_kernels.kept_softmax_stats(z, offsets, target_pos)
 

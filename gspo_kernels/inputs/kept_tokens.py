@@ -20,13 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends import native_backend
 from .checks import check_values
 
 
 @dataclass(frozen=True, eq=False)
 class KeptTokens:
     """Per token row, the ids the engine's sampler kept (CSR: offsets `(N + 1,)`, token_ids
-    `(nnz,)`, int64 or int32, one device), in a vocabulary of vocab_size ids."""
+    `(nnz,)`, int64 or int32, one device), in a vocabulary of vocab_size ids. A row's ids are held
+    ascending, whatever order they came in: a set's sums then run in one order (the same bits for
+    the same set), and the products from hidden states walk the weight in id order."""
 
     offsets: torch.Tensor
     token_ids: torch.Tensor
@@ -54,7 +57,8 @@ class KeptTokens:
         counts = offsets[1:] - offsets[:-1]
         rows = torch.arange(counts.numel(), device=offsets.device)
         row_index = torch.repeat_interleave(rows, counts, output_size=ids.numel())
-        _check_ids(row_index.cpu(), ids.cpu(), self.vocab_size)
+        in_order = _check_ids(row_index.cpu(), ids.cpu(), self.vocab_size)
+        object.__setattr__(self, "token_ids", in_order.to(ids.device))
         object.__setattr__(self, "row_index", row_index)
 
     @property
@@ -145,7 +149,10 @@ class KeptTokens:
 
     def target_positions(self, targets: torch.Tensor) -> torch.Tensor:
         """Per row, the entry of its target in `token_ids`, or -1 where the set lacks it."""
-        hit = self.token_ids == targets.reshape(-1).index_select(0, self.row_index)
+        targets = targets.reshape(-1)
+        if targets.device.type == "cpu" and native_backend.load_error() is None:
+            return native_backend.kept_target_positions(self.offsets, self.token_ids, targets.to(torch.int64).contiguous())
+        hit = self.token_ids == targets.index_select(0, self.row_index)
         found = torch.full((self.rows,), -1, dtype=torch.int64, device=self.device)
         entries = torch.arange(self.token_ids.numel(), device=self.device)
         # Misses add -1, which the initial -1 already is: no boolean indexing (a sync and a pass).
@@ -179,17 +186,20 @@ def _check_offsets(offsets: torch.Tensor, nnz: int) -> None:
                          "they must not decrease")
 
 
-def _check_ids(rows: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
-    """The ids (host tensors, rows: each entry's row): in range, none twice in a row."""
+def _check_ids(rows: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The ids (host tensors, rows: each entry's row): in range, none twice in a row. Returns them
+    ascending within each row (the sort that finds a repeated id gives that order for free)."""
     outside = (ids < 0) | (ids >= vocab_size)
     if bool(outside.any()):
         entry = int(outside.nonzero()[0])
         raise ValueError(f"KeptTokens: row {int(rows[entry])} holds id {int(ids[entry])}, outside the vocabulary "
                          f"[0, {vocab_size})")
-    if ids.numel() > 1:
-        keys, _ = torch.sort(rows * vocab_size + ids)
-        twice = keys[1:] == keys[:-1]
-        if bool(twice.any()):
-            key = int(keys[1:][twice][0])
-            raise ValueError(f"KeptTokens: row {key // vocab_size} holds id {key % vocab_size} twice; each id "
-                             "once per row")
+    if ids.numel() <= 1:
+        return ids
+    keys, _ = torch.sort(rows * vocab_size + ids)
+    twice = keys[1:] == keys[:-1]
+    if bool(twice.any()):
+        key = int(keys[1:][twice][0])
+        raise ValueError(f"KeptTokens: row {key // vocab_size} holds id {key % vocab_size} twice; each id "
+                         "once per row")
+    return keys - rows * vocab_size  # rows is non-decreasing: the sorted keys keep each row's entries in place

@@ -25,10 +25,13 @@ def _as_full_product(d_weight: torch.Tensor, hidden: torch.Tensor, entries: Kept
     non-finite value in column j (a rare path, a loop over such columns). There each id a row
     does not keep contributes 0 times it, which is NaN: column j is NaN but at the ids that every
     such row keeps, and wholly NaN when one of the values is NaN (NaN times anything)."""
+    # A float32 column sum is finite when the column is (a NaN or inf carries into it; a finite
+    # column that overflows only sends it to the exact test): one reduction, where isfinite's
+    # compare, abs and any took 2.5 ms of a 21 ms step at k = 64 (2-core AMX Xeon, N = 2048).
+    if bool(torch.isfinite(hidden.sum(0, dtype=torch.float32)).all()):  # a host sync, as check_call's
+        return d_weight
     bad = ~torch.isfinite(hidden)
     columns = bad.any(0)
-    if not bool(columns.any()):  # a host sync: this path syncs already (KeptTokens.check_call)
-        return d_weight
     for j in columns.nonzero().flatten().tolist():
         rows = bad[:, j].nonzero().flatten()
         if bool(torch.isnan(hidden[rows, j]).any()):

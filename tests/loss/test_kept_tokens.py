@@ -246,6 +246,7 @@ def test_from_padded_and_from_lists_agree():
     b = KeptTokens.from_lists([[4, 1], [2], [], [0, 3, 5]], 6)
     assert torch.equal(a.offsets, b.offsets) and torch.equal(a.token_ids, b.token_ids)
     assert a.offsets.tolist() == [0, 2, 3, 3, 6] and a.row_index.tolist() == [0, 0, 1, 3, 3, 3]
+    assert a.token_ids.tolist() == [1, 4, 2, 0, 3, 5]  # each row's ids held ascending
 
 
 def test_from_responses_places_each_response_at_its_rows():
@@ -256,7 +257,7 @@ def test_from_responses_places_each_response_at_its_rows():
     kept = KeptTokens.from_responses([VllmMask(), sglang, {"token_ids": [0], "offsets": [0, 1]}], starts=[1, 5, 8],
                                      rows=9, vocab_size=10)
     assert kept.offsets.tolist() == [0, 0, 2, 3, 4, 4, 5, 7, 7, 8]
-    assert kept.token_ids.tolist() == [3, 1, 4, 4, 7, 2, 5, 0]
+    assert kept.token_ids.tolist() == [1, 3, 4, 4, 7, 2, 5, 0]  # each row's ids held ascending
     with pytest.raises(ValueError, match="a response of 2 tokens starting at row 8 does not fit in 9 token rows"):
         KeptTokens.from_responses([sglang], starts=[8], rows=9, vocab_size=10)
 
