@@ -36,11 +36,11 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // Stage 2, packed layout: each of `rows` rows takes its sequence's value, (S,) -> (rows,).
   m.def("segment_expand(Tensor values, Tensor cu_seqlens, int rows) -> Tensor");
   // Fused linear over the engine's kept sets (csrc/cpu/kept_products.cpp says what each computes):
-  // the entries grouped by block of rows and id (offsets, order, rows), then the logits of the
-  // entries, and from their gradient dx in grouped order d hidden, and d weight with d bias, each
-  // sum in a fixed order.
+  // the logits of the entries and d hidden from the sets in CSR order (tiles of rows, blocks of
+  // ids); the entries grouped by block of rows and id (offsets, order, rows), and from dx in that
+  // grouped order d weight with d bias; each sum in a fixed order.
   m.def("kept_group(Tensor row_offsets, Tensor ids, int vocab, int block_rows) -> (Tensor, Tensor, Tensor)");
-  m.def("kept_dots(Tensor hidden, Tensor weight, Tensor offsets, Tensor order, Tensor rows, int block_rows) "
+  m.def("kept_dots(Tensor hidden, Tensor weight, Tensor row_offsets, Tensor ids, int tile_rows, int block_ids) "
         "-> Tensor");
   m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor row_offsets, Tensor ids, int tile_rows, int block_ids, "
         "bool round) -> Tensor");

@@ -5,13 +5,19 @@
 //   kept_hidden_grad   dh[r]    = sum_{e of row r} dx[e] * weight[v_e]          (N, H)
 //   kept_weight_grad   dW[v]    = sum_{e of id v} dx[e] * hidden[r_e]           (V, H), and db[v]
 //
-// For the logits and d weight, kept_group first orders the entries by block of rows, then by id,
-// then by row (a counting sort per block); dx comes in that grouped order. A block's hidden rows (block_rows x H,
-// linear/kept_products.py's block_rows) then stay in a core's L2 while each weight row is read
-// once per block, whole and in id order: on a 2-core AMX Xeon (N = 2048,
-// H = 512, V = 32768, 512 random ids a row) the dot products by token row, which fetch a random
-// weight row from L3 for each entry, took 42.6 ms; by id alone, 25.1 ms. d hidden reads the sets
-// in their own order (kept_hidden_grad says how).
+// The logits and d hidden read the sets in their own (CSR) order, each row's ids ascending
+// (KeptTokens holds them so): a tile of rows against the weight a block of ids at a time
+// (rows_by_id_block), so that the block's weight rows stay in L2 while each row takes its
+// entries in the block. d weight needs the entries by id: kept_group orders them by block of rows,
+// then by id, then by row (a counting sort per block), and dx comes in that grouped order; each
+// weight row's sum then reads its rows' hidden rows block after block.
+//
+// On a 2-core AMX Xeon (N = 2048, H = 512, V = 32768, 512 random ids a row) the logits took
+// 42.6 ms by token row without blocks (a random weight row from L3 for each entry), 25.1 ms by id
+// alone, 11.0 ms grouped by block of rows and id after a 4.3 ms grouping pass, and 13.9 ms by tile
+// of rows and block of ids with no pass (forward + backward at k = 512: 74.7 ms grouped, 70.7 ms
+// so). d hidden took 22.8 ms grouped (each entry adding into a row's float32 sum held in L2, 4 KiB
+// moved) and 18.4 ms by tile and block (a weight row read from L2).
 //
 // Every sum runs in a fixed order whatever the blocks and threads: dh[r] over its ids ascending,
 // dW[v] over its rows ascending, in float32, rounded once to the operands' dtype. So the bits do
@@ -215,9 +221,8 @@ void check_matrix(const char* op, const at::Tensor& t, const char* name, int64_t
 }
 
 // The grouping of one call: segments (block b, id v) at offsets[b * V + v]; grouped entry e is in
-// row rows[e] (and is entry order[e] of the sets: kept_dots writes its results there). The kernels
-// read rows[] and their coefficients in grouped order, one after another: reading them through
-// order[] (a random access each, within a row's entries) cost 25 against 17.6 ms for the logits here.
+// row rows[e] (and is entry order[e] of the sets). d weight reads rows[] and dx in grouped order,
+// one after another: reading them through order[] (a random access each) measured slower.
 struct Groups {
   const int64_t* offsets;
   const int64_t* rows;
@@ -238,6 +243,46 @@ void check_grouped_dx(const char* op, const at::Tensor& dx, const Groups& g) {
   TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == g.entries, op,
               ": dx must be contiguous float32, one per entry, in grouped order");
 }
+
+// The sets in their own (CSR) order, each row's ids ascending, for the logits and d hidden: rows
+// [first_row, first_row + n_rows) against the weight a block of block_ids ids at a time, so that
+// the block's rows stay in L2 while each row takes the block's entries from a cursor (its ids
+// ascending, they are consecutive): visit(j, first, last) for row first_row + j and its entries
+// [first, last) in a block. Rows not sorted are still visited whole, in their order.
+template <typename Visit>
+void rows_by_id_block(const char* op, const int64_t* off, const int64_t* id, int64_t first_row, int64_t n_rows,
+                      int64_t vocab, int64_t block_ids, std::vector<int64_t>& cursor, const Visit& visit) {
+  cursor.assign(off + first_row, off + first_row + n_rows);
+  for (int64_t first_id = 0; first_id < vocab; first_id += block_ids) {
+    const int64_t stop = first_id + block_ids >= vocab ? INT64_MAX : first_id + block_ids;
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const int64_t first = cursor[j], last = off[first_row + j + 1];
+      int64_t e = first;
+      for (; e < last && id[e] < stop; ++e) {
+        TORCH_CHECK(id[e] >= 0 && id[e] < vocab, op, ": id ", id[e], " outside [0, ", vocab, ")");
+      }
+      if (e == first) continue;
+      cursor[j] = e;
+      visit(j, first, e);
+    }
+  }
+}
+
+// The CSR of a call: row offsets (N + 1) from 0 to nnz, and the ids.
+struct Rows {
+  const int64_t* offsets;
+  const int64_t* ids;
+  int64_t rows, entries;
+
+  static Rows of(const char* op, const at::Tensor& row_offsets, const at::Tensor& ids) {
+    check_index(op, row_offsets, "row_offsets");
+    check_index(op, ids, "ids");
+    const int64_t rows = row_offsets.numel() - 1;
+    const int64_t* off = row_offsets.data_ptr<int64_t>();
+    TORCH_CHECK(rows >= 0 && off[0] == 0 && off[rows] == ids.numel(), op, ": row_offsets must run from 0 to nnz");
+    return {off, ids.data_ptr<int64_t>(), rows, ids.numel()};
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_group(const at::Tensor& row_offsets, const at::Tensor& ids,
                                                           int64_t vocab, int64_t block_rows) {
@@ -286,95 +331,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_group(const at::Tensor& row_
   return {order, offsets, grouped_rows};
 }
 
-at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& offsets,
-                     const at::Tensor& order, const at::Tensor& rows, int64_t block_rows) {
+// The logits of the entries in their own order (rows_by_id_block), each row's hidden row held
+// (widened once a tile where the products are float32 FMAs) against the block's weight rows.
+at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& row_offsets,
+                     const at::Tensor& ids, int64_t tile_rows, int64_t block_ids) {
   const char* op = "gspo_kernels::kept_dots";
-  const int64_t h = hidden.size(-1);
+  const int64_t h = hidden.size(-1), vocab = weight.size(0);
   check_matrix(op, hidden, "hidden", h);
   check_matrix(op, weight, "weight", h);
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden and weight must share a dtype");
-  const Groups g = Groups::of(op, offsets, rows, weight.size(0), block_rows);
-  check_index(op, order, "order");
-  TORCH_CHECK(order.numel() == g.entries, op, ": order and rows differ in length");
-  at::Tensor out = at::empty({g.entries}, hidden.options().dtype(at::kFloat));
+  TORCH_CHECK(tile_rows >= 1 && block_ids >= 1, op, ": tile_rows and block_ids must be >= 1");
+  const Rows r = Rows::of(op, row_offsets, ids);
+  TORCH_CHECK(hidden.size(0) == r.rows, op, ": hidden must have one row per row of the sets");
+  at::Tensor out = at::empty({r.entries}, hidden.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
-  const int64_t* ord = order.data_ptr<int64_t>();
+  const int64_t tiles = (r.rows + tile_rows - 1) / tile_rows;
   GSPO_DISPATCH_LOGITS(hidden.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* hid = hidden.const_data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    // Segments in order: a task's consecutive segments share a block, so its hidden rows.
-    at::parallel_for(0, g.blocks * g.vocab, 512, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(h);
+    const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && has_bf16_dot();
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> widened(bf16_dot ? 0 : static_cast<size_t>(tile_rows * h));
+      std::vector<int64_t> cursor;
       const scalar_t* t[kDotsAtOnce];
-      float result[kDotsAtOnce];
-      const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && has_bf16_dot();
-      for (int64_t s = begin; s < end; ++s) {
-        const int64_t first = g.offsets[s], last = g.offsets[s + 1];
-        if (first == last) continue;
-        const scalar_t* w_row = w + (s % g.vocab) * h;
-        if (!bf16_dot) widen(w_row, row.data(), h);
-        for (int64_t e = first; e < last; e += kDotsAtOnce) {
-          const int64_t count = std::min(kDotsAtOnce, last - e);
-          for (int64_t j = 0; j < count; ++j) t[j] = hid + g.rows[e + j] * h;
-          entry_dots(w_row, row.data(), t, count, h, result, bf16_dot);
-          for (int64_t j = 0; j < count; ++j) dst[ord[e + j]] = result[j];
-        }
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t first_row = tile * tile_rows, n_rows = std::min(tile_rows, r.rows - first_row);
+        if (!bf16_dot) widen(hid + first_row * h, widened.data(), n_rows * h);
+        rows_by_id_block(op, r.offsets, r.ids, first_row, n_rows, vocab, block_ids, cursor,
+                         [&](int64_t j, int64_t first, int64_t last) {
+          const scalar_t* h_row = hid + (first_row + j) * h;
+          for (int64_t e = first; e < last; e += kDotsAtOnce) {
+            const int64_t count = std::min(kDotsAtOnce, last - e);
+            for (int64_t q = 0; q < count; ++q) t[q] = w + r.ids[e + q] * h;
+            entry_dots(h_row, bf16_dot ? nullptr : widened.data() + j * h, t, count, h, dst + e, bf16_dot);
+          }
+        });
       }
     });
   });
   return out;
 }
 
-// d hidden from the sets in their own (CSR) order, each row's ids ascending: a tile of rows at a
-// time, its sums (float32, tile_rows x H) kept while the weight is read a block of block_ids ids at
-// a time, each row taking the block's entries from a cursor (its ids ascending, they are
-// consecutive) and adding them onto its sum in a chunk of registers. A row's sum runs over its
-// entries in their order whatever the tile and block, so the bits do not depend on either. Per
-// entry this reads a weight row from the block (in L2) where adding it into a row's sum held in L2
-// moved 4 KiB (at H = 512 float32): 22.8 ms became 18.4 ms on a 2-core AMX Xeon (N = 2048, H = 512,
-// V = 32768, 512 ids a row). Unsorted rows are still summed whole, in their stored order.
+// d hidden by tile and block (rows_by_id_block): a tile's sums (float32, tile_rows x H) are its
+// own, and each row adds its entries onto its sum a chunk of registers at a time, in their order.
 at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, const at::Tensor& row_offsets,
                             const at::Tensor& ids, int64_t tile_rows, int64_t block_ids, bool round) {
   const char* op = "gspo_kernels::kept_hidden_grad";
   const int64_t h = weight.size(-1), vocab = weight.size(0);
   check_matrix(op, weight, "weight", h);
-  check_index(op, row_offsets, "row_offsets");
-  check_index(op, ids, "ids");
-  const int64_t rows = row_offsets.numel() - 1;
   TORCH_CHECK(tile_rows >= 1 && block_ids >= 1, op, ": tile_rows and block_ids must be >= 1");
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == ids.numel(), op,
+  const Rows r = Rows::of(op, row_offsets, ids);
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == r.entries, op,
               ": dx must be contiguous float32, one per entry");
-  const int64_t* off = row_offsets.data_ptr<int64_t>();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  TORCH_CHECK(rows >= 0 && off[0] == 0 && off[rows] == ids.numel(), op, ": row_offsets must run from 0 to nnz");
-  at::Tensor out = at::empty({rows, h}, weight.options().dtype(round ? weight.scalar_type() : at::kFloat));
+  at::Tensor out = at::empty({r.rows, h}, weight.options().dtype(round ? weight.scalar_type() : at::kFloat));
   const float* d = dx.data_ptr<float>();
-  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  const int64_t tiles = (r.rows + tile_rows - 1) / tile_rows;
   GSPO_DISPATCH_LOGITS(weight.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     // A tile a task: its rows' sums are its own (no two threads add into one row).
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(static_cast<size_t>(tile_rows * h));
-      std::vector<int64_t> cursor(tile_rows);
+      std::vector<int64_t> cursor;
       std::vector<const scalar_t*> t;
       for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t first_row = tile * tile_rows, n_rows = std::min(tile_rows, rows - first_row);
+        const int64_t first_row = tile * tile_rows, n_rows = std::min(tile_rows, r.rows - first_row);
         std::fill_n(acc.data(), n_rows * h, 0.f);
-        std::copy_n(off + first_row, n_rows, cursor.begin());
-        for (int64_t first_id = 0; first_id < vocab; first_id += block_ids) {
-          const int64_t stop = first_id + block_ids >= vocab ? INT64_MAX : first_id + block_ids;
-          for (int64_t j = 0; j < n_rows; ++j) {
-            const int64_t e0 = cursor[j], last = off[first_row + j + 1];
-            int64_t e = e0;
-            for (t.clear(); e < last && id[e] < stop; ++e) {
-              TORCH_CHECK(id[e] >= 0 && id[e] < vocab, op, ": id ", id[e], " outside [0, ", vocab, ")");
-              t.push_back(w + id[e] * h);
-            }
-            if (e == e0) continue;
-            cursor[j] = e;
-            add_rows(d + e0, t.data(), e - e0, h, acc.data() + j * h);
-          }
-        }
+        rows_by_id_block(op, r.offsets, r.ids, first_row, n_rows, vocab, block_ids, cursor,
+                         [&](int64_t j, int64_t first, int64_t last) {
+          t.clear();
+          for (int64_t e = first; e < last; ++e) t.push_back(w + r.ids[e] * h);
+          add_rows(d + first, t.data(), last - first, h, acc.data() + j * h);
+        });
         if (round) {
           round_into(acc.data(), out.data_ptr<scalar_t>() + first_row * h, n_rows * h);
         } else {

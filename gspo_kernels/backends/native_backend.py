@@ -70,8 +70,8 @@ if _C is not None:
         return torch.empty_like(ids), ids.new_empty((blocks * vocab + 1,)), torch.empty_like(ids)
 
     @torch.library.register_fake("gspo_kernels::kept_dots")
-    def _(hidden, weight, offsets, order, rows, block_rows):
-        return hidden.new_empty(order.shape, dtype=torch.float32)
+    def _(hidden, weight, row_offsets, ids, tile_rows, block_ids):
+        return hidden.new_empty(ids.shape, dtype=torch.float32)
 
     @torch.library.register_fake("gspo_kernels::kept_hidden_grad")
     def _(dx, weight, row_offsets, ids, tile_rows, block_ids, round):
@@ -113,8 +113,8 @@ def kept_group(row_offsets, ids, vocab: int, block_rows: int):
     return torch.ops.gspo_kernels.kept_group(row_offsets, ids, vocab, block_rows)
 
 
-def kept_dots(hidden, weight, offsets, order, rows, block_rows: int):
-    return torch.ops.gspo_kernels.kept_dots(hidden, weight, offsets, order, rows, block_rows)
+def kept_dots(hidden, weight, row_offsets, ids, tile_rows: int, block_ids: int):
+    return torch.ops.gspo_kernels.kept_dots(hidden, weight, row_offsets, ids, tile_rows, block_ids)
 
 
 def kept_hidden_grad(dx, weight, row_offsets, ids, tile_rows: int, block_ids: int, round_: bool):

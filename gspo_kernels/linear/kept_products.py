@@ -6,10 +6,10 @@ multiply-adds, not N V H):
     d weight     dW_v      = sum_{e with id v} dx_e hidden[row_e]  (V, H), and d bias
 
 in float32 (float64 for float64 operands), each sum in a fixed order, rounded once: no atomics,
-the same bits for the same sets. On a CPU they are C++ (csrc/cpu/kept_products.cpp: for the
-logits and d weight the entries grouped by block of rows and id, so that each weight row is read
-once per block and the block's hidden rows stay in cache; for d hidden the rows in their own
-order, ids ascending, a block of weight rows at a time). Other devices and float64 take PyTorch
+the same bits for the same sets. On a CPU they are C++ (csrc/cpu/kept_products.cpp: the logits
+and d hidden over the rows in their own order, ids ascending, a block of weight rows at a time;
+d weight over the entries grouped by block of rows and id, so that each weight row is read once
+per block and the block's hidden rows stay in cache). Other devices and float64 take PyTorch
 ops, a slab of entries at a time (a gathered copy of the slab's weight and hidden rows), with
 the entries sorted by id for d weight.
 """
@@ -54,11 +54,11 @@ def _slabs(offsets: torch.Tensor, width: int):
 
 
 def block_rows(hidden: torch.Tensor, vocab: int, entries: int) -> int:
-    """Hidden rows per block of the C++ products. Each weight row is read once per block, so a
-    block should hold about 4 entries per id (4 V / k rows, k the mean set size); its hidden rows
-    should stay in a core's L2 (256 KiB measured faster than 128 KiB, 512 KiB and 1 MiB at k = 512
-    on a 2-core AMX Xeon, H = 512 bf16), the larger of the two; and no block is more than a
-    thread's share of the rows. The bits do not depend on it (csrc/cpu/kept_products.cpp)."""
+    """Hidden rows per block of d weight's grouping (kept_group: by block of rows, then id). Each
+    id's sum reads its rows block after block; a block should hold about 4 entries per id (4 V / k
+    rows, k the mean set size) and its hidden rows should fit a core's L2 (256 KiB), the larger of
+    the two; no block is more than a thread's share of the rows (the grouping runs a block a
+    task). The bits do not depend on it (csrc/cpu/kept_products.cpp)."""
     rows, width = hidden.shape
     by_cache = (256 << 10) // (width * hidden.element_size())
     by_reuse = 4 * vocab * rows // max(entries, 1)
@@ -66,14 +66,20 @@ def block_rows(hidden: torch.Tensor, vocab: int, entries: int) -> int:
     return max(1, min(max(by_cache, by_reuse), by_threads))
 
 
-def hidden_grad_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
-    """(tile_rows, block_ids) of the C++ d hidden: 256 rows a tile (at most a thread's share) and
-    1 MiB of weight rows a block, the fastest of 64-1024 rows and 128-32768 ids on a 2-core AMX
-    Xeon (N = 2048, H = 512, V = 32768, 512 ids a row: 18.4 ms, 23-32 ms at the far corners). The
-    bits do not depend on them (csrc/cpu/kept_products.cpp)."""
-    tile_rows = max(1, min(256, -(-hidden.shape[0] // max(1, torch.get_num_threads()))))
-    block_ids = max(1, (1 << 20) // (weight.shape[1] * weight.element_size()))
+def row_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(tile_rows, block_ids) of the C++ logits and d hidden: TILE_ROWS rows a tile (at most a
+    thread's share) and 1 MiB of weight rows a block. The bits do not depend on them
+    (csrc/cpu/kept_products.cpp)."""
+    tile_rows = max(1, min(TILE_ROWS, -(-hidden.shape[0] // max(1, torch.get_num_threads()))))
+    block_ids = max(1, BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
     return tile_rows, block_ids
+
+
+# On a 2-core AMX Xeon (N = 2048, H = 512, V = 32768, 512 ids a row), the fastest of 64-1024 rows
+# and 128-32768 ids (256-4096 for the logits): d hidden 18.4 ms (23-32 ms at the far corners),
+# the logits 13.9 ms (13.2-23.5 ms).
+TILE_ROWS = 256
+BLOCK_BYTES = 1 << 20
 
 
 class KeptProducts:
@@ -93,24 +99,22 @@ class NativeKeptProducts(KeptProducts):
         # The C++ products read rows of contiguous matrices: a transposed weight (an (H, V) buffer
         # seen as (V, H)) or strided hidden rows are copied once.
         self.entries, self.hidden, self.weight = entries, hidden.contiguous(), weight.contiguous()
-        self.block_rows = block_rows(hidden, weight.shape[0], entries.ids.numel())
-        self.order, self.offsets, self.rows = native_backend.kept_group(entries.offsets, entries.ids,
-                                                                        weight.shape[0], self.block_rows)
+        self.tiles = row_tiles(self.hidden, self.weight)
 
     def logits(self) -> torch.Tensor:
-        return native_backend.kept_dots(self.hidden, self.weight, self.offsets, self.order, self.rows,
-                                        self.block_rows)
+        return native_backend.kept_dots(self.hidden, self.weight, self.entries.offsets, self.entries.ids, *self.tiles)
 
     def grads(self, dx, need_hidden: bool, need_weight: bool, round_hidden: bool) -> tuple:
         d_hidden = d_weight = d_bias = None
         if need_hidden:
-            tile_rows, block_ids = hidden_grad_tiles(self.hidden, self.weight)
             d_hidden = native_backend.kept_hidden_grad(dx, self.weight, self.entries.offsets, self.entries.ids,
-                                                       tile_rows, block_ids, round_hidden)
-        if need_weight:
-            grouped = dx.index_select(0, self.order)  # the order the C++ sums read dx in
-            d_weight, d_bias = native_backend.kept_weight_grad(grouped, self.hidden, self.offsets, self.rows,
-                                                               self.weight.shape[0], self.block_rows)
+                                                       *self.tiles, round_hidden)
+        if need_weight:  # by id: the entries grouped by block of rows and id, dx gathered into that order
+            vocab, ids = self.weight.shape[0], self.entries.ids
+            blocks = block_rows(self.hidden, vocab, ids.numel())
+            order, offsets, rows = native_backend.kept_group(self.entries.offsets, ids, vocab, blocks)
+            d_weight, d_bias = native_backend.kept_weight_grad(dx.index_select(0, order), self.hidden, offsets, rows,
+                                                               vocab, blocks)
         return d_hidden, d_weight, d_bias
 
 
