@@ -1,7 +1,8 @@
 """`+actor_rollout_ref.model.fused_kernel_options.batch_invariant=true` and `...sampling_aware_logprobs`:
 verl hands its model patch only `impl_backend`, so verl's FSDPEngine._build_module is wrapped to
 hand the model it builds a LinearConfig (linear_config) and the rollout's kept set
-(sampling_config). The engine module is wrapped when verl imports it, by a
+(sampling_config); its prepare_model_inputs, to hand the fused forward the batch's own kept sets
+(kept_sets.py). The engine module is wrapped when verl imports it, by a
 one-shot import hook: importing it here would fix verl's device platform too early."""
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 from ...config import LinearConfig
 from ...config.values import check_sampling
 from ...token_stats.kept_set import SamplingFilter
+from . import kept_sets
 from .fused_forward import BACKEND, LINEAR_ATTRIBUTE, SAMPLING_ATTRIBUTE, forward_with_gspo_kernels
 
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -87,10 +90,41 @@ def _with_linear_options(build):
     return _build_module
 
 
+def _runs_fused_forward(module) -> bool:
+    """Whether the engine's model (under FSDP2 the model itself, its class swapped for a subclass;
+    under FSDP1 inside the wrapper) runs forward_with_gspo_kernels."""
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    return type(inner).forward is forward_with_gspo_kernels
+
+
+def _with_kept_sets(prepare, engine_module):
+    """verl's FSDPEngine.prepare_model_inputs, followed by handing the fused forward the batch's
+    kept sets (kept_sets.py) laid out as the rows the model sees. A model running another forward
+    (verl's own, a critic's) does not read them: the key is left alone there, with a warning for
+    an actor on verl's fused kernels."""
+    @functools.wraps(prepare)
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = prepare(self, micro_batch)
+        if kept_sets.KEY in micro_batch.keys():
+            if _runs_fused_forward(self.module):
+                model_inputs[kept_sets.KEY] = kept_sets.rows_for_model(self, engine_module, micro_batch)
+            elif engine_module.tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
+                warnings.warn(f"gspo_kernels: the batch holds the engine's kept sets ({kept_sets.KEY}) but the actor "
+                              "runs another fused forward, which ignores them: set "
+                              f"fused_kernel_options.impl_backend={BACKEND}", stacklevel=2)
+        return model_inputs, output_args
+
+    prepare_model_inputs.gspo_kernels = True
+    return prepare_model_inputs
+
+
 def _hook_engine(engine_module) -> None:
     engine = getattr(engine_module, "FSDPEngine", None)
     if engine is not None and not getattr(engine._build_module, "gspo_kernels", False):
         engine._build_module = _with_linear_options(engine._build_module)
+    with_head = getattr(engine_module, "FSDPEngineWithLMHead", None)  # the actor's and the reference's engine
+    if with_head is not None and not getattr(with_head.prepare_model_inputs, "gspo_kernels", False):
+        with_head.prepare_model_inputs = _with_kept_sets(with_head.prepare_model_inputs, engine_module)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
