@@ -32,6 +32,11 @@ def pytest_configure(config):
 def pytest_report_header(config):
     dropped = "" if backends.native_available() else (
         f" (cpu and cuda left out: gspo_kernels.backends._C does not import: {backends.native_backend.load_error()})")
+    triton = backends.triton_backend
+    if triton is None:
+        dropped += f" (triton left out: {backends.TRITON_PROBLEM})"
+    elif triton.INTERPRETER_PROBLEM is not None:
+        dropped += f" (triton left out: {triton.INTERPRETER_PROBLEM})"
     return f"gspo_kernels backends under test: {', '.join(BACKENDS)}{dropped}"
 
 
@@ -50,7 +55,10 @@ def available_backends() -> list[str]:
     """Backends that can run on this machine: Triton through its interpreter on a CPU."""
     names = ["torch"]
     triton = backends.triton_backend
-    if triton is not None and (triton.INTERPRETED or torch.cuda.is_available()):
+    # On a CPU the interpreter runs them, unless the installed numpy breaks it (compat.py): then
+    # Triton is left out here, as backends.resolve refuses it.
+    if triton is not None and ((triton.INTERPRETED and triton.INTERPRETER_PROBLEM is None) or
+                               (torch.cuda.is_available() and not triton.INTERPRETED)):
         names.append("triton")
     if backends.native_available():
         names.append("cpu")

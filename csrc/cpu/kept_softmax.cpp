@@ -49,6 +49,30 @@ float row_max(const float* x, int64_t n) {
   return m;
 }
 
+// One row's entries x[0:n], its target at entry `target` (-1: none): log p, entropy, lse.
+GSPO_HOT_LOOP void stats_row(const float* x, int64_t n, int64_t target, float& lp, float& ent, float& ls) {
+  const float peak = row_max(x, n);
+  if (std::isnan(peak) || peak == kInf) {  // a NaN or +inf kept logit: no softmax
+    lp = ent = ls = kNaN;
+    return;
+  }
+  const float shift = finite_or_zero(peak);
+  const int64_t n_vec = n - n % Vec::size();
+  const Vec vshift(shift);
+  Vec vsum(0.f), vshifted(0.f);
+  for (int64_t i = 0; i < n_vec; i += Vec::size()) {
+    accumulate_shifted<VecOps>(Vec::loadu(x + i) - vshift, vsum, vshifted);
+  }
+  float sum = sum_lanes(vsum), shifted = sum_lanes(vshifted);
+  for (int64_t i = n_vec; i < n; ++i) accumulate_shifted<ScalarOps>(x[i] - shift, sum, shifted);
+  const float log_sum = std::log(sum);  // -inf for an empty set or all -inf
+  ls = shift + log_sum;
+  ent = log_sum - shifted / sum;
+  // No distribution (an empty set, all -inf): NaN, as log_softmax gives. A target not among the
+  // entries (another rank's slice, or outside the set): -inf.
+  lp = sum == 0.f ? kNaN : (target >= 0 ? (x[target] - shift) - log_sum : -kInf);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_softmax_stats(const at::Tensor& z, const at::Tensor& offsets,
                                                                   const at::Tensor& target_pos) {
   const char* op = "gspo_kernels::kept_softmax_stats";
@@ -62,28 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_softmax_stats(const at::Tens
   float *lp = logp.data_ptr<float>(), *ent = entropy.data_ptr<float>(), *ls = lse.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = zs + off[r];
-      const int64_t n = off[r + 1] - off[r];
-      const float peak = row_max(x, n);
-      if (std::isnan(peak) || peak == kInf) {  // a NaN or +inf kept logit: no softmax
-        lp[r] = ent[r] = ls[r] = kNaN;
-        continue;
-      }
-      const float shift = finite_or_zero(peak);
-      const int64_t n_vec = n - n % Vec::size();
-      const Vec vshift(shift);
-      Vec vsum(0.f), vshifted(0.f);
-      for (int64_t i = 0; i < n_vec; i += Vec::size()) {
-        accumulate_shifted<VecOps>(Vec::loadu(x + i) - vshift, vsum, vshifted);
-      }
-      float sum = sum_lanes(vsum), shifted = sum_lanes(vshifted);
-      for (int64_t i = n_vec; i < n; ++i) accumulate_shifted<ScalarOps>(x[i] - shift, sum, shifted);
-      const float log_sum = std::log(sum);  // -inf for an empty set or all -inf
-      ls[r] = shift + log_sum;
-      ent[r] = log_sum - shifted / sum;
-      // No distribution (an empty set, all -inf): NaN, as log_softmax gives. A target not among
-      // the entries (another rank's slice, or outside the set): -inf.
-      lp[r] = sum == 0.f ? kNaN : (tp[r] >= 0 ? (x[tp[r] - off[r]] - shift) - log_sum : -kInf);
+      stats_row(zs + off[r], off[r + 1] - off[r], tp[r] >= 0 ? tp[r] - off[r] : -1, lp[r], ent[r], ls[r]);
     }
   });
   return {logp, entropy, lse};
@@ -100,7 +103,7 @@ Vec map_slope(const Vec& z, const LogitMap& map) {
 // One live row's entries x[0:n] into d: each entry's gradient term times dz/dx, the one-hot term at
 // `target` (-1: none). kEntropy: with the entropy term (h its upstream gradient).
 template <bool kEntropy>
-void grad_row(const float* x, float* d, int64_t n, int64_t target, float lse, float ent, float g, float h,
+GSPO_HOT_LOOP void grad_row(const float* x, float* d, int64_t n, int64_t target, float lse, float ent, float g, float h,
               const LogitMap& map) {
   // dz/dx only where dz is not 0 (a -inf logit's slope may be infinite).
   auto scalar_dx = [&](float xi, float one_hot) {

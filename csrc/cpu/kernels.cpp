@@ -31,14 +31,7 @@ namespace {
 constexpr int64_t kBlock = 4096;
 constexpr int64_t kChunk = 512;  // logits per partial sum inside a block (a multiple of every kStep)
 
-// On the functions whose loops run per logit: every call inside them is inlined. Without it,
-// GCC's unit-wide inlining budget decides whether at::vec's exp_u20 is inlined, and a change
-// elsewhere in this file once turned it into a call per vector (stage 1 went 48 -> 68 ms).
-#if defined(__GNUC__)
-#define GSPO_HOT_LOOP __attribute__((flatten))
-#else
-#define GSPO_HOT_LOOP
-#endif  // logits per block: 8-16 KiB, re-read from L1 by the second pass
+  // logits per block: 8-16 KiB, re-read from L1 by the second pass
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 

@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import triton_version_problem
 from . import native_backend, torch_backend
 
+# Why the Triton backend is not offered (None: it is): triton is optional where it has no wheels
+# (macOS, Windows), and a Triton older than the kernels need is refused (compat.py).
 try:
+    import triton as _triton
+
+    TRITON_PROBLEM = triton_version_problem(_triton.__version__)
+except ImportError:
+    TRITON_PROBLEM = "the triton package is not installed (pip install triton)"
+triton_backend = triton_tiles = None
+if TRITON_PROBLEM is None:
     from .triton import row_ops as triton_backend
     from .triton import tile_ops as triton_tiles
-except ImportError:  # triton is optional where it has no wheels (macOS, Windows)
-    triton_backend = triton_tiles = None
 
 # Imported eagerly so that torch.compile traces a plain dict lookup. The Triton kernels are
 # therefore defined when gspo_kernels is imported: set TRITON_INTERPRET=1 before that to run
@@ -66,7 +74,9 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
         )
     if name == "triton":
         if triton_backend is None:
-            raise RuntimeError("backend='triton' needs the triton package: pip install triton")
+            raise RuntimeError(f"backend='triton' is not available: {TRITON_PROBLEM}")
+        if not on_cuda and triton_backend.INTERPRETER_PROBLEM is not None:
+            raise RuntimeError(f"backend='triton' on CPU tensors: {triton_backend.INTERPRETER_PROBLEM}")
         if not on_cuda and not triton_backend.INTERPRETED:
             raise ValueError(
                 f"backend='triton' got logits on {device}; Triton kernels run on CUDA "

@@ -51,7 +51,7 @@ def runnable_backends() -> dict[str, str]:
     triton = backends.triton_backend
     if triton is not None and torch.cuda.is_available() and not triton.INTERPRETED:
         found["triton"] = "cuda"
-    elif triton is not None and triton.INTERPRETED:
+    elif triton is not None and triton.INTERPRETED and triton.INTERPRETER_PROBLEM is None:
         found["triton"] = "cpu"  # through Triton's interpreter: correct but slow
     if backends.native_available():
         found["cpu"] = "cpu"
@@ -64,7 +64,9 @@ def skipped_backends(found: dict[str, str]) -> dict[str, str]:
     """backend -> why this machine does not run it, for those runnable_backends left out."""
     why = {}
     if "triton" not in found:
-        why["triton"] = ("Triton is not installed" if backends.triton_backend is None else
+        triton = backends.triton_backend
+        why["triton"] = (backends.TRITON_PROBLEM if triton is None else
+                         triton.INTERPRETER_PROBLEM if triton.INTERPRETER_PROBLEM is not None else
                          "no GPU; TRITON_INTERPRET=1 runs it through Triton's CPU interpreter")
     if not backends.native_available():
         why["cpu"] = why["cuda"] = "the _C extension is not built (pip install --no-build-isolation -e .)"

@@ -7,7 +7,7 @@ coefficients they have in the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -64,17 +64,23 @@ def _group(batch: LossBatch, seqs: slice, rows: slice) -> SequenceGroup:
         cu = seg.cu_seqlens[seqs.start:seqs.stop + 1] - rows.start
         segments = Segments.packed(cu, rows.stop - rows.start, known_valid=True)
     mask = tokens(batch.mask)
-    group = replace(
-        batch,
+    # Every field by name, not dataclasses.replace: torch.compile on torch 2.6 cannot trace replace
+    # ("hasattr UserDefinedClassVariable __dataclass_fields__"; 2.14 traces it).
+    group = LossBatch(
         targets=tokens(batch.targets),
         token_shape=mask.shape,
         mask=mask,
         old_logprobs=tokens(batch.old_logprobs),
         ref_logprobs=tokens(batch.ref_logprobs),
         advantages=tokens(batch.advantages) if batch.advantages_per_token else batch.advantages[seqs],
+        advantages_per_token=batch.advantages_per_token,
         segments=segments,
+        normalizer=batch.normalizer,
+        horizon=batch.horizon,
         rollout_logprobs=tokens(batch.rollout_logprobs),
+        entropy_threshold=batch.entropy_threshold,
         token_weights=tokens(batch.token_weights),
+        masked=batch.masked,
     )
     return SequenceGroup(rows, seqs, group)
 

@@ -123,7 +123,10 @@ def test_cpu_kernels_inline_the_simd_exp():
         pytest.skip("scalar build: no SIMD exp")
     so = backends.native_backend._C.__file__
     symbols = subprocess.run(["nm", "-C", so], capture_output=True, text=True, check=True).stdout
-    assert "exp_u20" not in symbols
+    # The function itself, not the static constants inside it (torch 2.4's header has some, and
+    # their guard variables stay whether or not the function is inlined).
+    out_of_line = [line for line in symbols.splitlines() if "exp_u20" in line and "exp_u20() const::" not in line]
+    assert not out_of_line
 
 
 def test_cpu_kernels_split_rows_over_every_thread():

@@ -12,10 +12,9 @@ from gspo_kernels.config import LEVELS, LOSS_AGGS
 from gspo_kernels.testing.problems import ProblemSpec, make_problem
 from gspo_kernels.testing.verify import linear_operands, relative_error, run_linear_case
 
-from conftest import device_for
+from conftest import BACKENDS, device_for
 
-pytestmark = pytest.mark.skipif(triton_backend is None or not (triton_backend.INTERPRETED or torch.cuda.is_available()),
-                                reason="needs Triton (CUDA, or its interpreter on a CPU)")
+pytestmark = pytest.mark.skipif("triton" not in BACKENDS, reason="needs Triton (CUDA, or its interpreter on a CPU)")
 DEVICE = device_for("triton") if triton_backend is not None else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 2.0 ** -20  # the filtering threshold docs/fused_linear.md discusses ("Gradient filtering"; off by default)

@@ -11,6 +11,7 @@ import gspo_kernels
 PACKAGE = pathlib.Path(gspo_kernels.__file__).parent
 # Floors, lowest first: a folder may import from its own floor and those below it.
 FLOORS = [
+    {"compat"},
     {"config", "backends"},
     {"distributed"},
     {"inputs"},

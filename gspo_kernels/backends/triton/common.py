@@ -15,9 +15,11 @@ the loss with no finite softmax (a NaN or +inf logit, or all -inf) or a bad targ
 a row with g = h = 0 gets zeros. None of these is read.
 """
 
+import numpy
 import triton
 import triton.language as tl
 
+from ...compat import triton_interpreter_problem
 from ..contract import LOG_FLOOR as _LOG_FLOOR
 
 # log p clamped where p is 0 anyway: a -inf logit gives 0 * finite, while a non-finite g or h
@@ -134,3 +136,5 @@ def grad_term(log_p, g, h, entropy, is_target, compute, make_nan, slope,
 
 # The kernels became interpreted functions if TRITON_INTERPRET=1 was set when they were defined.
 INTERPRETED = not isinstance(merge_softmax_stats, triton.runtime.JITFunction)
+# Why the interpreter cannot run them with the installed versions, or None (compat.py).
+INTERPRETER_PROBLEM = (triton_interpreter_problem(triton.__version__, numpy.__version__) if INTERPRETED else None)

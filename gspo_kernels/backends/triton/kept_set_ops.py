@@ -9,6 +9,7 @@ import struct
 
 import torch
 
+from ...compat import custom_op
 from ..layout import RowLayout, next_power_of_2, with_unit_vocab_stride
 from . import kept_set_kernels as kernels
 
@@ -22,7 +23,7 @@ _NUM_WARPS = 8
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
-@torch.library.custom_op("gspo_kernels::triton_kept_thresholds", mutates_args=())
+@custom_op("gspo_kernels::triton_kept_thresholds", mutates_args=())
 def _kept_thresholds_op(
     logits: torch.Tensor, inv_temperature: float, softcap: float, top_k: int, top_p: float, min_p: float,
 ) -> torch.Tensor:

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...compat import custom_op
 from ..contract import GradInputs, StatsInputs
 from ..layout import RowLayout, elements_disjoint, next_power_of_2, with_unit_vocab_stride
 from . import row_kernels as kernels
-from .common import INTERPRETED  # noqa: F401  (read as backends.triton_backend.INTERPRETED)
+from .common import INTERPRETED, INTERPRETER_PROBLEM  # noqa: F401  (read as backends.triton_backend.*)
 
 
 # 16 KiB of logits per block keeps every thread on several 16-byte loads per iteration at
@@ -42,7 +43,7 @@ def _launch_config(logits: torch.Tensor) -> LaunchConfig:
     return LaunchConfig.for_row(logits.shape[-1], logits.element_size(), block_v_override)
 
 
-@torch.library.custom_op("gspo_kernels::triton_token_stats", mutates_args=())
+@custom_op("gspo_kernels::triton_token_stats", mutates_args=())
 def _token_stats_op(
     logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float, softcap: float = 0.0,
     kept_min: torch.Tensor | None = None,
@@ -87,7 +88,7 @@ def _launch_grad(logits, grad, targets, lse, entropy, grad_logp, grad_entropy, r
     )
 
 
-@torch.library.custom_op("gspo_kernels::triton_logits_grad", mutates_args=())
+@custom_op("gspo_kernels::triton_logits_grad", mutates_args=())
 def _logits_grad_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
     grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, row_mask: torch.Tensor | None,
@@ -103,7 +104,7 @@ def _(logits, targets, lse, entropy, grad_logp, grad_entropy, row_mask, inv_temp
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("gspo_kernels::triton_logits_grad_", mutates_args=("logits",))
+@custom_op("gspo_kernels::triton_logits_grad_", mutates_args=("logits",))
 def _logits_grad_inplace_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
     grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, row_mask: torch.Tensor | None,

@@ -167,8 +167,9 @@ def _grad_tile(
     else:
         in_loss = row_ok
     # A target < 0 is not bad here: it lives on another rank (no one-hot term); a target no
-    # rank holds arrives as a NaN lse, set by the caller.
-    make_nan, compute = row_rule(lse, False, g, hg, in_loss, HAS_ENTROPY_GRAD)
+    # rank holds arrives as a NaN lse, set by the caller. (A vector of False, not the scalar:
+    # Triton 3.2's interpreter cannot broadcast a bool constant, no int1 type in its builder.)
+    make_nan, compute = row_rule(lse, rows < 0, g, hg, in_loss, HAS_ENTROPY_GRAD)
     z = _logits_tile((h_ptr, w_ptr, b_ptr), rows, cols, sizes, logit_map, HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N,
                      BLOCK_V, BLOCK_H)
     col_ok = cols[None, :] < vocab

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...compat import custom_op
 from ..contract import GradInputs
 from . import tile_kernels as kernels
-from .common import INTERPRETED
+from .common import INTERPRETED, INTERPRETER_PROBLEM
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class TileConfig:
 
 
 def available(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED and INTERPRETER_PROBLEM is None)
 
 
 def _ieee(hidden: torch.Tensor) -> bool:
@@ -56,7 +57,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("gspo_kernels::triton_tile_token_stats", mutates_args=())
+@custom_op("gspo_kernels::triton_tile_token_stats", mutates_args=())
 def _token_stats_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                     inv_temperature: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = TileConfig.default(hidden.dtype)
@@ -93,7 +94,7 @@ def _grad_shapes(hidden, weight, need_hidden: bool, need_weight: bool, need_bias
             (weight.shape[0],) if need_bias else (0,))
 
 
-@torch.library.custom_op("gspo_kernels::triton_tile_grads", mutates_args=())
+@custom_op("gspo_kernels::triton_tile_grads", mutates_args=())
 def _grads_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
               lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None,
               row_mask: torch.Tensor | None, inv_temperature: float, softcap: float, need_hidden: bool, need_weight: bool,
