@@ -8,6 +8,7 @@ holds the collectives. testing/ (the float64 reference,
 problems and their parallel splits, verification, tiny models), bench/ and cli/ sit on top.
 """
 
+from . import compat  # noqa: F401  (first: a torch older than the supported range is refused there, by name)
 from . import distributed
 from .config import GSPOConfig, LinearConfig
 from .inputs.kept_tokens import KeptTokens

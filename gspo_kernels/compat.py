@@ -2,6 +2,8 @@
 versions"), in one place. Each helper takes one path on every version where it can, and says
 which versions need what.
 
+- check_torch: torch older than 2.4 (no torch.library.custom_op) is refused when the package is
+  imported, by name, where a --no-deps install or a checkout got past pip's requirement.
 - custom_op: torch.library.custom_op infers an op's schema from its annotations. torch 2.4 reads
   them as written, so a module with `from __future__ import annotations` (strings) or the
   `X | None` form fails there ("Parameter logits has unsupported type torch.Tensor"); later
@@ -90,3 +92,18 @@ def triton_interpreter_problem(triton_version: str, numpy_version: str) -> str |
 
 
 COMPILE_FUSED_LINEAR = _version(torch.__version__) >= (2, 11)
+
+
+TORCH_LOWEST = (2, 4)
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """ImportError naming the supported range for a torch older than it (pip's requirement is
+    bypassed by --no-deps installs and source checkouts; torch.library.custom_op, which the ops
+    use, came in 2.4)."""
+    if _version(version) < TORCH_LOWEST:
+        raise ImportError(f"gspo_kernels needs torch 2.4 or later (README, 'Supported versions'); this is torch "
+                          f"{version}: pip install 'torch>=2.4'")
+
+
+check_torch()  # on import: the package imports this module first

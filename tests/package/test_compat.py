@@ -46,3 +46,12 @@ def test_custom_op_from_string_annotations():
     a, b = torch.ops.gspo_kernels_test.scaled(x, 2.0, torch.ones(3))
     assert torch.equal(a, x * 2) and torch.equal(b, x * 2 + 1)
     assert "Tensor? shift=None" in str(torch.ops.gspo_kernels_test.scaled.default._schema)
+
+
+def test_a_torch_older_than_2_4_is_refused_by_name():
+    import pytest
+
+    with pytest.raises(ImportError, match="needs torch 2.4 or later.*this is torch 2.3.1"):
+        compat.check_torch("2.3.1+cu121")
+    compat.check_torch("2.4.1+cu121")
+    compat.check_torch(torch.__version__)
