@@ -59,6 +59,8 @@ GSPO_SKIP_CUDA_BUILD=1 MAX_JOBS="${MAX_JOBS:-2}" "$PY" setup.py -q build_ext --i
     { tail -30 "$WORK/build.log" >&2; echo "[matrix] FAIL: the extension did not build" >&2; exit 1; }
 
 export TRITON_INTERPRET=1 PYTHONPATH="$SRC"
+# The matrix builds the CPU part only: CI's demand for the CUDA kernels is the default build's.
+unset GSPO_REQUIRE_CUDA_BUILD
 TRITON="$("$PY" -c 'import importlib.metadata as m; print(m.version("triton"))' 2>/dev/null || echo none)"
 echo "[matrix] gradient check, every backend (torch $TORCH_VERSION, triton $TRITON)" >&2
 "$PY" -m gspo_kernels check --quick
