@@ -104,6 +104,14 @@ class KeptTokens:
         return KeptTokens(offsets, rows[present], vocab_size)
 
     @staticmethod
+    def from_padded_sets(ids: torch.Tensor, vocab_size: int) -> tuple["KeptTokens", torch.Tensor]:
+        """(the KeptTokens, which rows have a set) from a rollout's `(..., k)` ids, any negative
+        value a fill, fills anywhere in a row (what the drop-ins carry through a trainer's batch)."""
+        ids = ids.to(torch.int64)
+        ids = torch.where(ids < 0, torch.full_like(ids, -1), ids).sort(-1, descending=True).values  # ids first
+        return KeptTokens.from_padded(ids, vocab_size), (ids >= 0).any(-1)
+
+    @staticmethod
     def from_responses(responses, starts, rows: int, vocab_size: int, device=None) -> "KeptTokens":
         """From the engine's sets of each response: responses[i] holds one set per generated token,
         as vLLM returns them (`CompletionOutput.sampling_mask`: an object or dict with CSR

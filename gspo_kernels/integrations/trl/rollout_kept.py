@@ -63,7 +63,5 @@ def as_kept_tokens(kept_ids: torch.Tensor, mask: torch.Tensor, vocab_size: int, 
     if sampling is not None:
         raise ValueError(f"the rollout gave the engine's kept sets ({FIELD}) and sampling_aware_logprobs is on: "
                          "pass the kept set one way")
-    ids = kept_ids.to(torch.int64)
-    ids = torch.where(ids < 0, torch.full_like(ids, -1), ids).sort(-1, descending=True).values  # ids first
-    has_set = (ids >= 0).any(-1)
-    return KeptTokens.from_padded(ids, vocab_size), mask & has_set
+    kept, has_set = KeptTokens.from_padded_sets(kept_ids, vocab_size)
+    return kept, mask & has_set

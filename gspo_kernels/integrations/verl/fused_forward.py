@@ -13,14 +13,13 @@ from ..announce import announce_fused
 from ..head import head_token_stats
 from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
 
+
 def kept_rows(kept_token_ids: torch.Tensor, shape: torch.Size, vocab: int) -> tuple:
     """(KeptTokens of the rows, the rows that have a set) from `(..., k)` ids, -1 padded."""
-    ids = kept_token_ids.to(torch.int64)
-    if tuple(ids.shape[:-1]) != tuple(shape):
-        raise ValueError(f"kept_token_ids has shape {tuple(ids.shape)}; the targets have {tuple(shape)} (one set of "
-                         "ids per target, -1 padded)")
-    ids = torch.where(ids < 0, torch.full_like(ids, -1), ids).sort(-1, descending=True).values  # ids first
-    return KeptTokens.from_padded(ids, vocab), (ids >= 0).any(-1)
+    if tuple(kept_token_ids.shape[:-1]) != tuple(shape):
+        raise ValueError(f"kept_token_ids has shape {tuple(kept_token_ids.shape)}; the targets have {tuple(shape)} "
+                         "(one set of ids per target, -1 padded)")
+    return KeptTokens.from_padded_sets(kept_token_ids, vocab)
 
 
 def _vocab_of(head: torch.nn.Module, config) -> int:

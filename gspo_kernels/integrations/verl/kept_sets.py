@@ -30,8 +30,8 @@ def _per_position(micro_batch) -> torch.Tensor:
                          f"aligned with responses (attention_mask {tuple(mask.shape)}"
                          f"{'' if width is None else f', responses width {width}'})")
     full = kept.new_full((mask.shape[0], mask.shape[1], kept.shape[2]), -1)
-    full[:, mask.shape[1] - kept.shape[1]:] = kept
-    return torch.where(full < 0, torch.full_like(full, -1), full).to(torch.int64)
+    full[:, mask.shape[1] - kept.shape[1]:] = kept  # any negative stays a fill (KeptTokens.from_padded_sets)
+    return full
 
 
 def packed_rows(engine, engine_module, micro_batch) -> torch.Tensor:
