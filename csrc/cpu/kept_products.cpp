@@ -244,22 +244,45 @@ void check_grouped_dx(const char* op, const at::Tensor& dx, const Groups& g) {
               ": dx must be contiguous float32, one per entry, in grouped order");
 }
 
-// The sets in their own (CSR) order, each row's ids ascending, for the logits and d hidden: rows
-// [first_row, first_row + n_rows) against the weight a block of block_ids ids at a time, so that
-// the block's rows stay in L2 while each row takes the block's entries from a cursor (its ids
-// ascending, they are consecutive): visit(j, first, last) for row first_row + j and its entries
-// [first, last) in a block. Rows not sorted are still visited whole, in their order.
+// The CSR of a call (row offsets, N + 1 of them from 0 to nnz, and the ids), cut into tiles of
+// tile_rows rows that rows_by_id_block walks a block of block_ids ids at a time.
+struct Rows {
+  const int64_t* offsets;
+  const int64_t* ids;
+  int64_t rows, entries, tile_rows, block_ids, tiles;
+
+  static Rows of(const char* op, const at::Tensor& row_offsets, const at::Tensor& ids, int64_t tile_rows,
+                 int64_t block_ids) {
+    check_index(op, row_offsets, "row_offsets");
+    check_index(op, ids, "ids");
+    TORCH_CHECK(tile_rows >= 1 && block_ids >= 1, op, ": tile_rows and block_ids must be >= 1");
+    const int64_t rows = row_offsets.numel() - 1;
+    const int64_t* off = row_offsets.data_ptr<int64_t>();
+    TORCH_CHECK(rows >= 0 && off[0] == 0 && off[rows] == ids.numel(), op, ": row_offsets must run from 0 to nnz");
+    return {off, ids.data_ptr<int64_t>(), rows, ids.numel(), tile_rows, block_ids, (rows + tile_rows - 1) / tile_rows};
+  }
+
+  int64_t first_row(int64_t tile) const { return tile * tile_rows; }
+  int64_t rows_of(int64_t tile) const { return std::min(tile_rows, rows - first_row(tile)); }
+};
+
+// The sets in their own (CSR) order, each row's ids ascending, for the logits and d hidden: a tile
+// of rows against the weight a block of block_ids ids at a time, so that the block's rows stay in
+// L2 while each row takes the block's entries from a cursor (its ids ascending, they are
+// consecutive): visit(j, first, last) for the tile's row j and its entries [first, last) in a
+// block. Rows not sorted are still visited whole, in their order.
 template <typename Visit>
-void rows_by_id_block(const char* op, const int64_t* off, const int64_t* id, int64_t first_row, int64_t n_rows,
-                      int64_t vocab, int64_t block_ids, std::vector<int64_t>& cursor, const Visit& visit) {
-  cursor.assign(off + first_row, off + first_row + n_rows);
-  for (int64_t first_id = 0; first_id < vocab; first_id += block_ids) {
-    const int64_t stop = first_id + block_ids >= vocab ? INT64_MAX : first_id + block_ids;
+void rows_by_id_block(const char* op, const Rows& r, int64_t tile, int64_t vocab, std::vector<int64_t>& cursor,
+                      const Visit& visit) {
+  const int64_t first_row = r.first_row(tile), n_rows = r.rows_of(tile);
+  cursor.assign(r.offsets + first_row, r.offsets + first_row + n_rows);
+  for (int64_t first_id = 0; first_id < vocab; first_id += r.block_ids) {
+    const int64_t stop = first_id + r.block_ids >= vocab ? INT64_MAX : first_id + r.block_ids;
     for (int64_t j = 0; j < n_rows; ++j) {
-      const int64_t first = cursor[j], last = off[first_row + j + 1];
+      const int64_t first = cursor[j], last = r.offsets[first_row + j + 1];
       int64_t e = first;
-      for (; e < last && id[e] < stop; ++e) {
-        TORCH_CHECK(id[e] >= 0 && id[e] < vocab, op, ": id ", id[e], " outside [0, ", vocab, ")");
+      for (; e < last && r.ids[e] < stop; ++e) {
+        TORCH_CHECK(r.ids[e] >= 0 && r.ids[e] < vocab, op, ": id ", r.ids[e], " outside [0, ", vocab, ")");
       }
       if (e == first) continue;
       cursor[j] = e;
@@ -267,22 +290,6 @@ void rows_by_id_block(const char* op, const int64_t* off, const int64_t* id, int
     }
   }
 }
-
-// The CSR of a call: row offsets (N + 1) from 0 to nnz, and the ids.
-struct Rows {
-  const int64_t* offsets;
-  const int64_t* ids;
-  int64_t rows, entries;
-
-  static Rows of(const char* op, const at::Tensor& row_offsets, const at::Tensor& ids) {
-    check_index(op, row_offsets, "row_offsets");
-    check_index(op, ids, "ids");
-    const int64_t rows = row_offsets.numel() - 1;
-    const int64_t* off = row_offsets.data_ptr<int64_t>();
-    TORCH_CHECK(rows >= 0 && off[0] == 0 && off[rows] == ids.numel(), op, ": row_offsets must run from 0 to nnz");
-    return {off, ids.data_ptr<int64_t>(), rows, ids.numel()};
-  }
-};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kept_group(const at::Tensor& row_offsets, const at::Tensor& ids,
                                                           int64_t vocab, int64_t block_rows) {
@@ -340,25 +347,22 @@ at::Tensor kept_dots(const at::Tensor& hidden, const at::Tensor& weight, const a
   check_matrix(op, hidden, "hidden", h);
   check_matrix(op, weight, "weight", h);
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden and weight must share a dtype");
-  TORCH_CHECK(tile_rows >= 1 && block_ids >= 1, op, ": tile_rows and block_ids must be >= 1");
-  const Rows r = Rows::of(op, row_offsets, ids);
+  const Rows r = Rows::of(op, row_offsets, ids, tile_rows, block_ids);
   TORCH_CHECK(hidden.size(0) == r.rows, op, ": hidden must have one row per row of the sets");
   at::Tensor out = at::empty({r.entries}, hidden.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
-  const int64_t tiles = (r.rows + tile_rows - 1) / tile_rows;
   GSPO_DISPATCH_LOGITS(hidden.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* hid = hidden.const_data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && has_bf16_dot();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> widened(bf16_dot ? 0 : static_cast<size_t>(tile_rows * h));
+    at::parallel_for(0, r.tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> widened(bf16_dot ? 0 : static_cast<size_t>(r.tile_rows * h));
       std::vector<int64_t> cursor;
       const scalar_t* t[kDotsAtOnce];
       for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t first_row = tile * tile_rows, n_rows = std::min(tile_rows, r.rows - first_row);
-        if (!bf16_dot) widen(hid + first_row * h, widened.data(), n_rows * h);
-        rows_by_id_block(op, r.offsets, r.ids, first_row, n_rows, vocab, block_ids, cursor,
-                         [&](int64_t j, int64_t first, int64_t last) {
+        const int64_t first_row = r.first_row(tile);
+        if (!bf16_dot) widen(hid + first_row * h, widened.data(), r.rows_of(tile) * h);
+        rows_by_id_block(op, r, tile, vocab, cursor, [&](int64_t j, int64_t first, int64_t last) {
           const scalar_t* h_row = hid + (first_row + j) * h;
           for (int64_t e = first; e < last; e += kDotsAtOnce) {
             const int64_t count = std::min(kDotsAtOnce, last - e);
@@ -379,25 +383,22 @@ at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, cons
   const char* op = "gspo_kernels::kept_hidden_grad";
   const int64_t h = weight.size(-1), vocab = weight.size(0);
   check_matrix(op, weight, "weight", h);
-  TORCH_CHECK(tile_rows >= 1 && block_ids >= 1, op, ": tile_rows and block_ids must be >= 1");
-  const Rows r = Rows::of(op, row_offsets, ids);
+  const Rows r = Rows::of(op, row_offsets, ids, tile_rows, block_ids);
   TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.numel() == r.entries, op,
               ": dx must be contiguous float32, one per entry");
   at::Tensor out = at::empty({r.rows, h}, weight.options().dtype(round ? weight.scalar_type() : at::kFloat));
   const float* d = dx.data_ptr<float>();
-  const int64_t tiles = (r.rows + tile_rows - 1) / tile_rows;
   GSPO_DISPATCH_LOGITS(weight.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     // A tile a task: its rows' sums are its own (no two threads add into one row).
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(static_cast<size_t>(tile_rows * h));
+    at::parallel_for(0, r.tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(static_cast<size_t>(r.tile_rows * h));
       std::vector<int64_t> cursor;
       std::vector<const scalar_t*> t;
       for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t first_row = tile * tile_rows, n_rows = std::min(tile_rows, r.rows - first_row);
+        const int64_t first_row = r.first_row(tile), n_rows = r.rows_of(tile);
         std::fill_n(acc.data(), n_rows * h, 0.f);
-        rows_by_id_block(op, r.offsets, r.ids, first_row, n_rows, vocab, block_ids, cursor,
-                         [&](int64_t j, int64_t first, int64_t last) {
+        rows_by_id_block(op, r, tile, vocab, cursor, [&](int64_t j, int64_t first, int64_t last) {
           t.clear();
           for (int64_t e = first; e < last; ++e) t.push_back(w + r.ids[e] * h);
           add_rows(d + first, t.data(), last - first, h, acc.data() + j * h);
