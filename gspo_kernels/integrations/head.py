@@ -25,13 +25,14 @@ def _sampling_options(sampling: SamplingFilter | None) -> dict:
     return {"sampling_top_k": sampling.top_k, "sampling_top_p": sampling.top_p, "sampling_min_p": sampling.min_p}
 
 
-def _call_as_forward(module: torch.nn.Module, fn, *args):
-    """fn(*args) as `module`'s forward for one call, its hooks included."""
+def call_as_forward(module: torch.nn.Module, fn, *args, **kwargs):
+    """fn(*args, **kwargs) as `module`'s forward for one call, its hooks included (a sharded
+    wrapper's unshard and reshard, its casts of the inputs)."""
     had_own = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
     module.forward = fn
     try:
-        return module(*args)
+        return module(*args, **kwargs)
     finally:
         if had_own:
             module.forward = previous
@@ -76,4 +77,4 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
                                                       linear=linear, kept_tokens=kept_tokens,
                                                       **_sampling_options(sampling))
 
-    return _call_as_forward(head, stats, hidden)
+    return call_as_forward(head, stats, hidden)
