@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The AReaL drop-in's tests, in an environment of their own: AReaL 1.0.4 pins transformers <= 5.3,
+# which the [trl] and [verl] extras do not admit. A virtualenv with torch, this checkout (copied,
+# so that neither tree's build touches the other) installed editable with its [areal] extra and the
+# extension's CPU part, AReaL itself with --no-deps, then tests/integrations/areal_tests.
+#
+#   ./scripts/test_areal.sh [pytest args]
+#
+# The venv is $GSPO_AREAL_VENV (default .venv-areal); it is reinstalled when the build inputs change,
+# and the copy's Python files are refreshed from the checkout on every run.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${GSPO_AREAL_VENV:-$ROOT/.venv-areal}"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${GSPO_TORCH_SPEC:-torch==2.14.1}"
+AREAL_SPEC="areal==1.0.4"
+SRC="$VENV/src"
+PY="$VENV/bin/python"
+
+if [ ! -x "$PY" ]; then
+    echo "[areal] creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+# The checkout's files (committed or not, not ignored) in place of the copy's; its build outputs
+# (the extension, build/, the egg-info) stay.
+mkdir -p "$SRC"
+find "$SRC" -type f ! -name '*.so' ! -path "$SRC/build/*" ! -path '*.egg-info/*' -delete
+(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 tar cf -) | (cd "$SRC" && tar xf -)
+
+WANT="$({ cat "$SRC/pyproject.toml" "$SRC/setup.py"; echo "$TORCH_SPEC $AREAL_SPEC";
+          find "$SRC/csrc" -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1)"
+STAMP="$VENV/.gspo_kernels_areal"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import gspo_kernels, areal" 2>/dev/null; then
+    echo "[areal] up to date ($VENV)" >&2
+else
+    echo "[areal] installing $TORCH_SPEC, gspo_kernels[areal] (the extension's CPU part) and $AREAL_SPEC" >&2
+    pip_install() {  # pip's exit status kept; the local index's "Location ... is ignored" lines dropped
+        "$PY" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2)
+    }
+    pip_install "$TORCH_SPEC" wheel setuptools
+    GSPO_SKIP_CUDA_BUILD=1 MAX_JOBS="${MAX_JOBS:-2}" pip_install --no-build-isolation -e "$SRC[dev,areal]"
+    pip_install --no-deps "$AREAL_SPEC"
+    echo "$WANT" > "$STAMP"
+fi
+
+cd "$SRC"
+# This environment builds the CPU part only: CI's demand for the CUDA kernels is the default build's.
+unset GSPO_REQUIRE_CUDA_BUILD
+export TRITON_INTERPRET=1
+exec "$PY" -m pytest tests/integrations/areal_tests "$@"
