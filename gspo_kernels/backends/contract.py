@@ -67,6 +67,18 @@ class GradInputs:
                           flat(self.grad_entropy), flat(self.row_mask), self.logit_map,
                           flat(self.kept_min))
 
+    def nan_rows(self) -> torch.Tensor:
+        """The rows the row rule fills with NaN: in the loss, with no finite softmax or a bad
+        target (both make lse NaN), or a non-finite upstream gradient. O(rows), where scanning
+        the gradient for them reads every logit. A row whose inputs are all finite but whose terms
+        overflow float32 (an upstream gradient near its largest value) is not among them: its NaN
+        may then reach the row beside it through a CPU's bf16 product
+        (linear/products.py, _cpu_bf16_rows_product)."""
+        bad = ~torch.isfinite(self.lse) | ~torch.isfinite(self.grad_logp)
+        if self.grad_entropy is not None:
+            bad |= ~torch.isfinite(self.grad_entropy)
+        return bad if self.row_mask is None else bad & self.row_mask
+
     def rows(self, part: slice) -> "GradInputs":
         """The same inputs for a slice of the `[N]` rows (a chunk)."""
         return GradInputs(self.targets[part], self.lse[part], self.entropy[part], self.grad_logp[part],

@@ -83,11 +83,17 @@ class RowBlockProducts:
             out[part] = self.ops.logits(block)[:part.stop - part.start]
         return out
 
-    def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor) -> None:
+    @property
+    def cpu_bf16(self) -> bool:
+        return self.ops.cpu_bf16
+
+    def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor, bad_rows: torch.Tensor | None = None) -> None:
         """d_hidden `[n, H]` (float32) += dz @ weight_block: each row block's product formed
-        whole, then added, so a row's sum is the same whichever block and offset it lands in."""
+        whole, then added, so a row's sum is the same whichever block and offset it lands in.
+        bad_rows: dz's NaN rows `[n]`, as Operands.hidden_grad takes them."""
         for part in self.blocks.row_slices(dz.shape[0]):  # dz is a fresh buffer: its blocks are aligned alike
-            product = self.ops.hidden_grad(_padded(dz[part], self.blocks.rows))
+            bad = None if bad_rows is None else _padded(bad_rows[part].unsqueeze(-1), self.blocks.rows).squeeze(-1)
+            product = self.ops.hidden_grad(_padded(dz[part], self.blocks.rows), bad_rows=bad)
             d_hidden[part] += product[:part.stop - part.start]
 
 

@@ -159,7 +159,7 @@ class _Gradients:
         if self.d_bias is not None:
             self.d_bias += dz.sum(0, dtype=self.d_bias.dtype)
         if self.d_hidden is not None:
-            self.d_hidden[part] = self.ops.hidden_grad(dz, bad_rows=_bad_rows(inputs) if self.ops.cpu_bf16 else None)
+            self.d_hidden[part] = self.ops.hidden_grad(dz, bad_rows=inputs.nan_rows() if self.ops.cpu_bf16 else None)
 
     def finish(self):
         d_hidden = self.d_hidden
@@ -181,15 +181,3 @@ def _scale_(grad: torch.Tensor, scale: torch.Tensor, block_bytes: int = 64 << 20
         block = grad[start:start + rows]
         block.copy_(block.float().mul_(scale))
     return grad
-
-
-def _bad_rows(inputs: GradInputs) -> torch.Tensor:
-    """The rows of dz that stage 3 fills with NaN (the row rule): in the loss, and with no finite
-    softmax, a bad target or a non-finite upstream gradient. O(rows), where scanning dz for them
-    would read all its logits. A row whose inputs are all finite but whose terms overflow float32
-    (an upstream gradient near its largest value) is not among them: its NaN may then reach the
-    row beside it through a CPU's bf16 product (products._cpu_bf16_rows_product)."""
-    bad = ~torch.isfinite(inputs.lse) | ~torch.isfinite(inputs.grad_logp)
-    if inputs.grad_entropy is not None:
-        bad |= ~torch.isfinite(inputs.grad_entropy)
-    return bad if inputs.row_mask is None else bad & inputs.row_mask

@@ -242,10 +242,11 @@ class Operands:
         self.add_hidden_grad(d_hidden, dz)
         return d_hidden
 
-    def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor) -> None:
-        """d_hidden (accumulation dtype) += dz @ weight, a weight block at a time."""
+    def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor, bad_rows: torch.Tensor | None = None) -> None:
+        """d_hidden (accumulation dtype) += dz @ weight, a weight block at a time. bad_rows as in
+        hidden_grad."""
         if self.native or self.cpu_bf16:
-            d_hidden.add_(self.hidden_grad(dz))
+            d_hidden.add_(self.hidden_grad(dz, bad_rows=bad_rows))
             return
         for cols in self.blocks:
             d_hidden.addmm_(dz[:, cols], self._weight(cols))

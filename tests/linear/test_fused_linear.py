@@ -346,24 +346,36 @@ def test_native_16bit_products_path(backend, weight_grad_fp32, monkeypatch, seed
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if device_for(b) == "cpu"])
-def test_a_bad_row_leaves_its_padding_neighbour_exactly_zero(backend):
+@pytest.mark.parametrize("sweep", ["rows", "vocab", "invariant"])
+def test_a_bad_row_leaves_its_padding_neighbour_exactly_zero(backend, sweep, monkeypatch):
     """bf16 on a CPU: `d hidden` of the rows outside the mask is exactly 0 beside a NaN row of the
     loss. oneDNN's bf16 kernels on an AMX Xeon multiplied rows in pairs and turned row 27 (padding)
     NaN from row 28's NaN `dz` (35 rows, V = 33, H = 8; each row's NaN reached the row above it:
-    the differential fuzz's long profile drew it); products._cpu_bf16_rows_product keeps a bad row's NaN to itself."""
+    the differential fuzz's long profile drew it); products._cpu_bf16_rows_product keeps a bad row's
+    NaN to itself, told the bad rows by GradInputs.nan_rows. The rows the row rule makes NaN: a NaN
+    hidden row (28), an out-of-range target (30) and a NaN upstream gradient (32), each beside
+    padding (27, 31, 33). Every backward sweep; bf16 products on where the CPU has them."""
+    monkeypatch.setenv("GSPO_CPU_BF16_PRODUCTS", "1")
+    if sweep != "invariant":
+        monkeypatch.setattr(chunked, "choose_sweep", lambda *args: sweep)
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(35, 8, generator=gen) * 0.5).bfloat16()
     hidden[28] = math.nan  # the first row of the mask, beside padding row 27
     weight = (torch.randn(33, 8, generator=gen) * 0.5).bfloat16()
     targets = torch.randint(0, 33, (35,), generator=gen)
+    targets[30] = 33
     mask = torch.zeros(35, dtype=torch.bool)
-    mask[28:33] = True
+    mask[28:31] = mask[32] = True
+    upstream = torch.ones(35)
+    upstream[32] = math.nan
     leaf = hidden.clone().requires_grad_()
-    logp = gk.fused_linear_selective_log_softmax(leaf, weight, targets, mask=mask, backend=backend)
-    (logp * mask).nansum().backward()
+    logp = gk.fused_linear_selective_log_softmax(leaf, weight, targets, mask=mask, backend=backend,
+                                                 batch_invariant=sweep == "invariant", schedule="two_pass")
+    (logp * upstream).nansum().backward()
     bad = torch.isnan(leaf.grad).any(-1)
-    assert bad[28:33].any() and not bad[:28].any() and not bad[33:].any(), bad.nonzero().flatten().tolist()
+    assert bad.nonzero().flatten().tolist() == [28, 30, 32]
     assert torch.equal(leaf.grad[~mask], torch.zeros_like(leaf.grad[~mask]))
+    assert torch.isfinite(leaf.grad[29]).all() and leaf.grad[29].abs().sum() > 0
 
 
 def test_cpu_bf16_rows_product_keeps_nan_to_its_rows():
