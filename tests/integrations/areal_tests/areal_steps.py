@@ -94,7 +94,8 @@ def step(actor, rank: int, case: dict) -> dict:
 
     def recording_step():
         for name, p in actor.model.named_parameters():
-            grads[name] = _full(p.grad)
+            if p.grad is not None:  # frozen ones (LoRA's base weights) have none
+                grads[name] = _full(p.grad)
         return optimizer_step()
 
     actor._compute_logprobs_and_loss, actor.optimizer_step = recording_loss, recording_step

@@ -36,8 +36,10 @@ CASES = {
     "decoupled_loglinear": dict(actor=dict(SEQUENCE, use_decoupled_loss=True, prox_logp_method="loglinear")),
     "decoupled_m2po": dict(actor=dict(SEQUENCE, use_decoupled_loss=True, m2_threshold=0.04)),
     "sapo_gspo": dict(actor=dict(SEQUENCE, use_sapo_loss=True, sapo_tau_pos=1.0, sapo_tau_neg=1.05)),
+    # AReaL's LoRA: PEFT around the model before FSDP2 ("all-linear": every projection, not the head).
+    "gspo_lora": dict(actor=dict(SEQUENCE, use_lora=True, lora_rank=4, lora_alpha=8)),
 }
-WORLDS = {1: list(CASES), 2: ["gspo", "token_tied", "gspo_teacher_kl", "decoupled_gspo_t07"]}
+WORLDS = {1: list(CASES), 2: ["gspo", "token_tied", "gspo_teacher_kl", "decoupled_gspo_t07", "gspo_lora"]}
 AREAL_LOSS_CASES = {"gspo_pure_distillation"}  # run AReaL's loss function on the fused log-probs
 
 
@@ -61,6 +63,7 @@ def worker(rank: int, port: int, out: str, world: int, paths: dict, names: list)
     join(rank, world, port)
     import warnings
 
+    import torch
     import torch.distributed as dist
 
     from areal.engine.fsdp_engine import FSDPPPOActor
@@ -78,6 +81,7 @@ def worker(rank: int, port: int, out: str, world: int, paths: dict, names: list)
         runs = {}
         for label, cls in (("areal", FSDPPPOActor), ("fused", FusedFSDPPPOActor)):
             before = counts["logits_to_logprobs"]
+            torch.manual_seed(1234)  # LoRA's A matrices are drawn when the engine wraps the model
             actor = build(cls, path, case, world)
             runs[label] = step(actor, rank, case)
             runs[label]["logits_calls"] = counts["logits_to_logprobs"] - before
