@@ -68,6 +68,7 @@ def worker(rank: int, port: int, out: str, world: int, paths: dict, names: list)
 
     from areal.engine.fsdp_engine import FSDPPPOActor
 
+    from gspo_kernels.integrations import announce
     from gspo_kernels.integrations.areal import FusedFSDPPPOActor
 
     warnings.simplefilter("ignore")
@@ -87,7 +88,8 @@ def worker(rank: int, port: int, out: str, world: int, paths: dict, names: list)
             runs[label]["logits_calls"] = counts["logits_to_logprobs"] - before
             actor.destroy()
         result = differences(runs["fused"], runs["areal"])
-        result.update(areal_logits_calls=runs["areal"]["logits_calls"], fused_logits_calls=runs["fused"]["logits_calls"])
+        result.update(areal_logits_calls=runs["areal"]["logits_calls"], fused_logits_calls=runs["fused"]["logits_calls"],
+                      announced=sorted(line for line in announce._said if "AReaL" in line))
         results[name] = result
     leave(rank, out, results)
 
@@ -131,6 +133,7 @@ def test_fused_actor_matches_areal(world, name, models, tmp_path_factory):
     assert not r["stat_rel"], r["stat_rel"]
     assert set(r["stats_missing"]) == VOCAB_RANGE_STATS and not r["stats_extra"], (r["stats_missing"], r["stats_extra"])
     assert r["n_stats"] > 40
+    assert r["announced"] == ["AReaL's FSDP actor runs gspo_kernels' fused-linear log-probs and entropies (no logits)"]
 
 
 def test_use_fused_actor_makes_the_trainer_build_it(models, monkeypatch):
