@@ -4,7 +4,7 @@ hidden states and the lm_head (no `[N, V]` logits).
 One line in the entry script, before AReaL builds its engines:
 
     import gspo_kernels.integrations.areal as gk_areal
-    gk_areal.use_fused_actor()        # PPOTrainer now builds FusedFSDPPPOActor (actor and reference)
+    gk_areal.use_fused_actor()        # PPOTrainer now builds FusedFSDPPPOActor (actor, reference, teacher)
 
 or, in a loop that builds the actor itself, `FusedFSDPPPOActor(config=config.actor)` where it
 built `FSDPPPOActor`. GSPO is AReaL's own key, `actor.importance_sampling_level: sequence`.
@@ -21,7 +21,7 @@ from .actor import FusedFSDPPPOActor
 
 def use_fused_actor() -> None:
     """Makes `from areal.engine import FSDPPPOActor` give FusedFSDPPPOActor in this process:
-    AReaL's trainers import it there when they build the actor and the reference model. Under
+    AReaL's trainers import it there when they build the actor, the reference and the teacher. Under
     AReaL's single controller the workers get the class by its import path
     (gspo_kernels.integrations.areal.actor.FusedFSDPPPOActor), so they need only gspo_kernels
     installed."""

@@ -137,7 +137,7 @@ def test_fused_actor_matches_areal(world, name, models, tmp_path_factory):
 
 
 def test_use_fused_actor_makes_the_trainer_build_it(models, monkeypatch):
-    """PPOTrainer builds its actor and reference model from `areal.engine.FSDPPPOActor` (here in
+    """PPOTrainer builds its actor, reference and teacher models from `areal.engine.FSDPPPOActor` (here in
     AReaL's SPMD mode; its single controller hands the workers the class's import path)."""
     import importlib
 
