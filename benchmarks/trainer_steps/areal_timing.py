@@ -8,9 +8,7 @@ memory beyond the inputs. Run in the AReaL environment (scripts/test_areal.sh ma
 
 GSPO (`importance_sampling_level: sequence`), one micro-batch, AReaL's defaults otherwise; dtype is
 AReaL's `actor.dtype` (the FSDP2 compute dtype; float32 master weights either way). Each actor runs
-in a fresh process on a one-rank gloo group; memory is the peak RSS (VmHWM, reset after a warm-up
-update) minus the RSS before the measured update, with every block of 64 KiB or more mapped on
-allocation so that freed memory leaves RSS (as trl_timing.py and gspo_kernels.bench.memory do).
+in a fresh process on a one-rank gloo group; time and memory as step_timing.py takes them.
 tests/integrations/areal_tests checks the same update's numbers against AReaL's own.
 """
 
@@ -20,20 +18,14 @@ import argparse
 import copy
 import json
 import os
-import re
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from step_timing import MMAP_ENV, measure_step, print_table
 
 PROMPT = 32
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
 def _save_model(path: str, vocab: int) -> None:
@@ -91,18 +83,7 @@ def _measure(kind: str, args) -> dict:
     def update():
         actor.ppo_update(copy.deepcopy(advantages))
 
-    update()
-    before = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    update()
-    peak = (_rss_kib("VmHWM") - before) * 1024
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        update()
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"actor": cls.__name__, "ms": statistics.median(times), "peak_bytes": peak}
+    return {"actor": cls.__name__, **measure_step(update, args.reps)}
 
 
 def _free_port() -> int:
@@ -127,7 +108,7 @@ def main() -> None:
         return
     model = tempfile.mkdtemp()
     _save_model(model, args.vocab)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "GSPO_KERNELS_QUIET": "1"}
+    env = {**os.environ, **MMAP_ENV, "GSPO_KERNELS_QUIET": "1"}
     results = []
     for kind in ("areal", "gspo_kernels"):
         out = subprocess.run([sys.executable, __file__, "--child", kind, "--model", model, "--port", str(_free_port()),
@@ -140,12 +121,9 @@ def main() -> None:
         results.append(json.loads(line[len("RESULT "):]))
     tokens = args.rows * (PROMPT + args.completion)
     logits_mib = tokens * args.vocab * 4 / 2**20
-    print(f"AReaL PPO update (GSPO, one micro-batch), tiny Qwen3 (hidden 64, 2 layers), V = {args.vocab}, {args.rows} x "
-          f"({PROMPT} + {args.completion}) tokens, actor.dtype {args.dtype} (float32 log-softmax of the logits alone: "
-          f"{logits_mib:.0f} MiB)")
-    print("| actor | ms (median) | peak MiB beyond the inputs |\n|---|---|---|")
-    for r in results:
-        print(f"| {r['actor']} | {r['ms']:.0f} | {r['peak_bytes'] / 2**20:.0f} |")
+    print_table(f"AReaL PPO update (GSPO, one micro-batch), tiny Qwen3 (hidden 64, 2 layers), V = {args.vocab}, "
+                f"{args.rows} x ({PROMPT} + {args.completion}) tokens, actor.dtype {args.dtype} (float32 log-softmax "
+                f"of the logits alone: {logits_mib:.0f} MiB)", "actor", results)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,7 @@ lm_head and its logits dominate): median time and peak memory beyond the inputs.
 --lora wraps the model in PEFT LoRA (r 8 on every projection, the lm_head frozen), as a
 small-GPU user would: only the adapters train, and the head's gradient is not formed.
 
-Each trainer runs in a fresh subprocess; memory is the peak RSS (VmHWM, reset after a warm-up
-step) minus the RSS before the measured step, with every block of 64 KiB or more mapped on
-allocation so that freed memory leaves RSS (as gspo_kernels.bench.memory does). float32,
+Each trainer runs in a fresh subprocess; time and memory as step_timing.py takes them. float32,
 importance_sampling_level="sequence", loss_type="grpo", beta 0.04.
 
 It times; parity_trl.py (run by parity.py) checks the same step's loss and gradients against
@@ -21,17 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+from step_timing import MMAP_ENV, measure_step, print_table
 
 
 def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int, lora: bool) -> dict:
@@ -70,19 +62,7 @@ def _measure(kind: str, rows: int, completion: int, vocab: int, reps: int, lora:
         trainer.model.zero_grad(set_to_none=True)
         trainer._compute_loss(trainer.model, batch).backward()
 
-    step()
-    trainer.model.zero_grad(set_to_none=True)
-    before = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    step()
-    peak = (_rss_kib("VmHWM") - before) * 1024
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"trainer": kind, "ms": statistics.median(times), "peak_bytes": peak}
+    return {"trainer": kind, **measure_step(step, reps, settle=lambda: trainer.model.zero_grad(set_to_none=True))}
 
 
 def main() -> None:
@@ -97,7 +77,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_measure(args.child, args.rows, args.completion, args.vocab, args.reps, args.lora)))
         return
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **MMAP_ENV}
     results = []
     for kind in ("trl", "gspo_kernels"):
         out = subprocess.run([sys.executable, __file__, "--child", kind, "--rows", str(args.rows), "--completion",
@@ -107,11 +87,9 @@ def main() -> None:
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     logits_mib = args.rows * args.completion * args.vocab * 4 / 2**20
     adapted = ", PEFT LoRA r 8 on every projection (frozen lm_head)" if args.lora else ""
-    print(f"TRL GRPOTrainer step (loss forward + backward), tiny Llama (hidden 64, 2 layers){adapted}, V = {args.vocab}, "
-          f"{args.rows} x {args.completion} completion tokens, float32 (the logits alone: {logits_mib:.0f} MiB)")
-    print("| trainer | ms (median) | peak MiB beyond the inputs |\n|---|---|---|")
-    for r in results:
-        print(f"| {r['trainer']} | {r['ms']:.0f} | {r['peak_bytes'] / 2**20:.0f} |")
+    print_table(f"TRL GRPOTrainer step (loss forward + backward), tiny Llama (hidden 64, 2 layers){adapted}, "
+                f"V = {args.vocab}, {args.rows} x {args.completion} completion tokens, float32 (the logits alone: "
+                f"{logits_mib:.0f} MiB)", "trainer", results)
 
 
 if __name__ == "__main__":
