@@ -4,7 +4,7 @@ tiny random Qwen3 with V = 32768 (the lm_head and its logits dominate): median t
 memory beyond the inputs. Run in the AReaL environment (scripts/test_areal.sh makes it):
 
     .venv-areal/bin/python benchmarks/trainer_steps/areal_timing.py [--rows 8 --completion 256
-        --vocab 32768 --dtype bf16 --reps 5]
+        --vocab 32768 --dtype bf16 --reps 5] [--vocab-range]
 
 GSPO (`importance_sampling_level: sequence`), one micro-batch, AReaL's defaults otherwise; dtype is
 AReaL's `actor.dtype` (the FSDP2 compute dtype; float32 master weights either way). Each actor runs
@@ -71,6 +71,7 @@ def _measure(kind: str, args) -> dict:
     from gspo_kernels.integrations.areal import FusedFSDPPPOActor
 
     cls = FSDPPPOActor if kind == "areal" else FusedFSDPPPOActor
+    FusedFSDPPPOActor.log_vocab_range = args.vocab_range
     config = PPOActorConfig(experiment_name="bench", trial_name="t", path=args.model, attn_impl="sdpa",
                             dtype={"bf16": "bfloat16", "float32": "float32"}[args.dtype],
                             optimizer=OptimizerConfig(lr=1e-6), backend="fsdp:d1", ppo_n_minibatches=1,
@@ -99,6 +100,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--dtype", choices=("bf16", "float32"), default="bf16")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--vocab-range", action="store_true",
+                        help="the fused actor logs vocab_min/max_logits (log_vocab_range: one more head product)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -113,7 +116,8 @@ def main() -> None:
     for kind in ("areal", "gspo_kernels"):
         out = subprocess.run([sys.executable, __file__, "--child", kind, "--model", model, "--port", str(_free_port()),
                               "--rows", str(args.rows), "--completion", str(args.completion), "--vocab",
-                              str(args.vocab), "--dtype", args.dtype, "--reps", str(args.reps)],
+                              str(args.vocab), "--dtype", args.dtype, "--reps", str(args.reps)]
+                             + (["--vocab-range"] if args.vocab_range else []),
                              capture_output=True, text=True, env=env)
         if out.returncode != 0:
             sys.exit(f"{kind} failed:\n{out.stderr[-4000:]}")
@@ -123,7 +127,7 @@ def main() -> None:
     logits_mib = tokens * args.vocab * 4 / 2**20
     print_table(f"AReaL PPO update (GSPO, one micro-batch), tiny Qwen3 (hidden 64, 2 layers), V = {args.vocab}, "
                 f"{args.rows} x ({PROMPT} + {args.completion}) tokens, actor.dtype {args.dtype} (float32 log-softmax "
-                f"of the logits alone: {logits_mib:.0f} MiB)", "actor", results)
+                f"of the logits alone: {logits_mib:.0f} MiB){', log_vocab_range' if args.vocab_range else ''}", "actor", results)
 
 
 if __name__ == "__main__":

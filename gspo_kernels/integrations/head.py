@@ -78,3 +78,39 @@ def head_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
                                                       **_sampling_options(sampling))
 
     return call_as_forward(head, stats, hidden)
+
+
+RANGE_BLOCK_BYTES = 64 << 20  # logits formed at a time by head_logit_range (counted as float32)
+
+
+def head_logit_range(head: torch.nn.Module, hidden: torch.Tensor, *, logit_scale: float = 1.0,
+                     logit_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's smallest and largest logit of the model (the head's product in the weight's
+    dtype, with the model's multiplier and soft-cap, before any temperature), returned as
+    float32, without gradient: a trainer's statistic that reads every logit. The product is
+    formed again, a block of rows at a time (one more forward product of the head), as the
+    head's own call so that a sharded head is whole for it."""
+
+    def ranges(hidden):
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        rows = hidden.shape[0]
+        low = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        high = torch.empty_like(low)
+        step = max(1, RANGE_BLOCK_BYTES // (4 * max(1, weight.shape[0])))
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, rows, step):
+                part = slice(start, min(start + step, rows))
+                # In the weight's dtype, as the model's own head forms its logits (bf16 on a bf16
+                # model); min and max need no wider sum.
+                logits = torch.nn.functional.linear(hidden[part].to(weight.dtype), weight, bias)
+                low[part], high[part] = torch.aminmax(logits, dim=-1)
+        # The multiplier (positive) and the soft-cap are increasing: they map the bounds.
+        low, high = low * logit_scale, high * logit_scale
+        if logit_softcap is not None:
+            low, high = (logit_softcap * torch.tanh(t / logit_softcap) for t in (low, high))
+        return low, high
+
+    return call_as_forward(head, ranges, hidden.detach())

@@ -12,6 +12,7 @@ packing, loss weights over the data-parallel group, the optimizer step, weight u
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -21,6 +22,8 @@ from areal.utils.perf_tracer import trace_scope
 from ..announce import announce_fused
 from .fused_forward import TokenStats, micro_batch_token_stats
 from .losses import micro_batch_loss
+
+VOCAB_RANGE_ENV = "GSPO_KERNELS_AREAL_VOCAB_RANGE"
 
 
 def _unsupported(engine) -> str | None:
@@ -45,7 +48,14 @@ class FusedFSDPPPOActor(FSDPPPOActor):
 
     `gspo_kernels_calls` counts the passes: "fused_forward" (micro-batches through the fused
     forward), "gspo_loss" (micro-batch losses by gspo_kernels.policy_loss) and "areal_loss"
-    (by AReaL's loss function on the fused log-probs, losses.py says when)."""
+    (by AReaL's loss function on the fused log-probs, losses.py says when).
+
+    `log_vocab_range` (default: GSPO_KERNELS_AREAL_VOCAB_RANGE=1 in the environment, else False):
+    log AReaL's vocab_min_logits and vocab_max_logits in the training pass, at the price of one
+    more forward product of the lm_head there (the fused path forms no logits, and without it
+    those two statistics are not logged)."""
+
+    log_vocab_range: bool = os.environ.get(VOCAB_RANGE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
     def __init__(self, config):
         super().__init__(config)
@@ -60,7 +70,8 @@ class FusedFSDPPPOActor(FSDPPPOActor):
         for mb_item in mb_list:
             inputs, ctx = self._prepare_mb_inputs(mb_item)
             with trace_scope("fsdp_engine.forward"):
-                stats = micro_batch_token_stats(self.model, inputs, self.config.temperature)
+                stats = micro_batch_token_stats(self.model, inputs, self.config.temperature,
+                                                vocab_range=self.log_vocab_range and not forward_only)
             self.gspo_kernels_calls["fused_forward"] += 1
             loss = process_output_fn(stats, ctx.to_dict())
             if not forward_only and loss is not None:

@@ -15,22 +15,28 @@ from dataclasses import dataclass
 
 import torch
 
-from ..head import call_as_forward, head_token_stats
+from ..head import call_as_forward, head_logit_range, head_token_stats
 from ..model_logits import logit_scale_of, logit_softcap_of, unsupported_logit_transform
 
 
 @dataclass
 class TokenStats:
-    """Per-token log-probs and entropies of a packed micro-batch, float32, `(L,)`."""
+    """Per-token log-probs and entropies of a packed micro-batch, float32, `(L,)`; and each
+    token's smallest and largest logit where they were asked for (AReaL's vocab_min_logits and
+    vocab_max_logits), else None."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+    vocab_min: torch.Tensor | None = None
+    vocab_max: torch.Tensor | None = None
 
     def trimmed(self, pad_length: int) -> "TokenStats":
         """Without the padding AReaL appends to a micro-batch (its `pad_length`)."""
         if pad_length <= 0:
             return self
-        return TokenStats(self.logprobs[:-pad_length], self.entropy[:-pad_length])
+        cut = slice(0, -pad_length)
+        return TokenStats(*(None if t is None else t[cut]
+                            for t in (self.logprobs, self.entropy, self.vocab_min, self.vocab_max)))
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,10 +52,12 @@ def _next_tokens(inputs: dict) -> torch.Tensor:
     return labels.squeeze(0) if labels.dim() == 2 and labels.shape[0] == 1 else labels
 
 
-def micro_batch_token_stats(model: torch.nn.Module, inputs: dict, temperature: float) -> TokenStats:
+def micro_batch_token_stats(model: torch.nn.Module, inputs: dict, temperature: float,
+                            vocab_range: bool = False) -> TokenStats:
     """The log-probs of each position's next token and the entropies, under
     softmax(model's logits / temperature), for AReaL's packed micro-batch `inputs` (the engine's
-    padded_mb: input_ids `(1, L)` and the attention keys)."""
+    padded_mb: input_ids `(1, L)` and the attention keys). vocab_range: each position's smallest
+    and largest logit too (head.head_logit_range: one more forward product of the head)."""
     causal = _causal_lm(model)
     transform = unsupported_logit_transform(causal.config)
     if transform is not None:
@@ -58,17 +66,18 @@ def micro_batch_token_stats(model: torch.nn.Module, inputs: dict, temperature: f
     head = causal.get_output_embeddings()
     targets = _next_tokens(inputs)
 
+    transforms = dict(logit_scale=logit_scale_of(causal.config), logit_softcap=logit_softcap_of(causal.config))
+
     def forward(**kwargs):
         hidden = causal.base_model(**kwargs)[0]
         hidden = hidden.squeeze(0) if hidden.dim() == 3 and hidden.shape[0] == 1 else hidden
-        return head_token_stats(head, hidden, targets, temperature=temperature, dtype=hidden.dtype,
-                                logit_scale=logit_scale_of(causal.config), logit_softcap=logit_softcap_of(causal.config))
-
-    def forward_owned(**kwargs):
+        logprobs, entropy = head_token_stats(head, hidden, targets, temperature=temperature, dtype=hidden.dtype,
+                                             **transforms)
         # Tensors of their own, not views of the kernels' buffers: FSDP2 hooks the root's outputs
         # for backward, and warns that an in-place op on a view would skip that hook.
-        logprobs, entropy = forward(**kwargs)
-        return logprobs.clone(), entropy.clone()
+        stats = [logprobs.clone(), entropy.clone()]
+        if vocab_range:
+            stats += head_logit_range(head, hidden, **transforms)
+        return tuple(stats)
 
-    logprobs, entropy = call_as_forward(model, forward_owned, **inputs)
-    return TokenStats(logprobs, entropy)
+    return TokenStats(*call_as_forward(model, forward, **inputs))

@@ -15,8 +15,9 @@ the proximal log-probs of `prox_logp_method`, M2PO's mask (`m2_threshold`), and 
 loss's `rejection_sampling` (its mask, and its behaviour weights as policy_loss's token_weights).
 The teacher's joint term (`rl_loss_weight * loss + distill_loss_weight * mean(logp - teacher)`)
 is added as AReaL adds it. AReaL's statistics are logged by grpo_loss_fn itself, run without
-gradient on the same log-probs; `vocab_min_logits` and `vocab_max_logits` are not logged (they
-read every logit, which the fused path never forms).
+gradient on the same log-probs; `vocab_min_logits` and `vocab_max_logits` (they read every
+logit, which the fused path never forms) only where the actor is asked to form them
+(FusedFSDPPPOActor.log_vocab_range).
 
 Pure distillation (`teacher.rl_loss_weight=0`) and a loss function other than grpo_loss_fn run
 that function itself on the fused log-probs, with a warning once.
@@ -130,9 +131,11 @@ def micro_batch_loss(loss_fn, stats: TokenStats, mb: dict, calls) -> torch.Tenso
             _warned.add(reason)
             warnings.warn(f"gspo_kernels: {reason}; AReaL's loss function runs on the fused log-probs", stacklevel=2)
         calls["areal_loss"] += 1
-        return loss_fn(stats.logprobs, stats.entropy, mb)
+        return loss_fn(stats.logprobs, stats.entropy, mb, vocab_min_logits=stats.vocab_min,
+                       vocab_max_logits=stats.vocab_max)
     with torch.no_grad():  # AReaL's statistics, by AReaL's code
-        loss_fn(stats.logprobs.detach(), stats.entropy.detach(), mb)
+        loss_fn(stats.logprobs.detach(), stats.entropy.detach(), mb, vocab_min_logits=stats.vocab_min,
+                vocab_max_logits=stats.vocab_max)
     loss, mask = _policy_term(stats.logprobs, mb, options)
     teacher = mb.get("teacher_logp")
     if teacher is not None:

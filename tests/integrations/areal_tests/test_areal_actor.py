@@ -38,8 +38,12 @@ CASES = {
     "sapo_gspo": dict(actor=dict(SEQUENCE, use_sapo_loss=True, sapo_tau_pos=1.0, sapo_tau_neg=1.05)),
     # AReaL's LoRA: PEFT around the model before FSDP2 ("all-linear": every projection, not the head).
     "gspo_lora": dict(actor=dict(SEQUENCE, use_lora=True, lora_rank=4, lora_alpha=8)),
+    # The logit range AReaL logs, formed by one more product of the head (log_vocab_range).
+    "gspo_vocab_range": dict(actor=SEQUENCE, vocab_range=True),
+    "token_tied_vocab_range": dict(actor={}, tied=True, vocab_range=True),
 }
-WORLDS = {1: list(CASES), 2: ["gspo", "token_tied", "gspo_teacher_kl", "decoupled_gspo_t07", "gspo_lora"]}
+WORLDS = {1: list(CASES), 2: ["gspo", "token_tied", "gspo_teacher_kl", "decoupled_gspo_t07", "gspo_lora",
+                             "token_tied_vocab_range"]}
 AREAL_LOSS_CASES = {"gspo_pure_distillation"}  # run AReaL's loss function on the fused log-probs
 
 
@@ -84,6 +88,8 @@ def worker(rank: int, port: int, out: str, world: int, paths: dict, names: list)
             before = counts["logits_to_logprobs"]
             torch.manual_seed(1234)  # LoRA's A matrices are drawn when the engine wraps the model
             actor = build(cls, path, case, world)
+            if case.get("vocab_range") and cls is FusedFSDPPPOActor:
+                actor.log_vocab_range = True
             runs[label] = step(actor, rank, case)
             runs[label]["logits_calls"] = counts["logits_to_logprobs"] - before
             actor.destroy()
@@ -131,7 +137,8 @@ def test_fused_actor_matches_areal(world, name, models, tmp_path_factory):
     worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
     assert worst[1] <= 1e-5, f"gradient of {worst[0]} off by {worst[1]:.2e} relative"
     assert not r["stat_rel"], r["stat_rel"]
-    assert set(r["stats_missing"]) == VOCAB_RANGE_STATS and not r["stats_extra"], (r["stats_missing"], r["stats_extra"])
+    missing = set() if CASES[name].get("vocab_range") else VOCAB_RANGE_STATS
+    assert set(r["stats_missing"]) == missing and not r["stats_extra"], (r["stats_missing"], r["stats_extra"])
     assert r["n_stats"] > 40
     assert r["announced"] == ["AReaL's FSDP actor runs gspo_kernels' fused-linear log-probs and entropies (no logits)"]
 
@@ -140,6 +147,7 @@ def test_use_fused_actor_makes_the_trainer_build_it(models, monkeypatch):
     """PPOTrainer builds its actor, reference and teacher models from `areal.engine.FSDPPPOActor` (here in
     AReaL's SPMD mode; its single controller hands the workers the class's import path)."""
     import importlib
+    import os
 
     import areal.engine
     from areal.api.alloc_mode import ModelAllocation
@@ -149,7 +157,11 @@ def test_use_fused_actor_makes_the_trainer_build_it(models, monkeypatch):
 
     monkeypatch.setenv("AREAL_SPMD_MODE", "1")
     monkeypatch.setattr(areal.engine, "FSDPPPOActor", areal.engine.FSDPPPOActor)
-    gk_areal.use_fused_actor()
+    monkeypatch.setattr(gk_areal.FusedFSDPPPOActor, "log_vocab_range", False)
+    monkeypatch.delenv(gk_areal.VOCAB_RANGE_ENV, raising=False)
+    gk_areal.use_fused_actor(log_vocab_range=True)
+    # The option reaches the class here, and the processes this one starts through the environment.
+    assert gk_areal.FusedFSDPPPOActor.log_vocab_range and os.environ[gk_areal.VOCAB_RANGE_ENV] == "1"
     built = []
     monkeypatch.setattr(gk_areal.FusedFSDPPPOActor, "create_process_group", lambda self, parallel_strategy=None:
                         built.append(self))
