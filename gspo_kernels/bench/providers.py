@@ -27,6 +27,7 @@ import torch
 from .. import backends
 from ..testing import reference
 from ..loss import gspo_loss
+from ..token_stats.on_logits import selective_log_softmax
 from .problem import EPS_HIGH, EPS_LOW, BenchProblem
 
 
@@ -165,16 +166,44 @@ FAMILY = {
 FAMILY_FULL_ONLY_MODES = ("forward", "backward")
 
 
+# The options that change the log-probs themselves (the logits' transforms and the kept set).
+LOGIT_OPTIONS = ("logit_scale", "logit_softcap", "sampling_top_k", "sampling_top_p", "sampling_min_p")
+
+
+def _variant_targets(p: BenchProblem, options) -> torch.Tensor:
+    """The problem's targets, or for a kept-set variant each row's largest logit: a sampler only
+    emits kept tokens, and the random targets fell outside a top-k of 50 for all but 0.1% of the
+    rows (top-p 0.9: 77%), whose log-probs were then -inf and whose rows got no gradient (the
+    backward zero-filled every row: 8 x 512 x 32768, 2026-12-06)."""
+    if not any(k.startswith("sampling_") for k in options):
+        return p.target_ids
+    return torch.stack([p.logits[i].argmax(-1) for i in range(p.logits.shape[0])])
+
+
+def _old_logprobs(p: BenchProblem, options, targets: torch.Tensor) -> torch.Tensor:
+    """Old log-probs a little off the variant's own (the problem's offsets from its plain ones):
+    against the plain log-probs a transform's ratios left the clip range for half the sequences
+    (seq_clip_frac_high 0.5 with logit_scale 0.0625 or logit_softcap 30 at 8 x 512 x 32768),
+    whose rows then got no gradient and were skipped in backward, which flattered the variant."""
+    transform = {k: v for k, v in options.items() if k in LOGIT_OPTIONS}
+    if not transform and targets is p.target_ids:
+        return p.old_logprobs
+    with torch.no_grad():
+        offsets = p.old_logprobs - selective_log_softmax(p.logits, p.target_ids)
+        return selective_log_softmax(p.logits, targets, **transform) + offsets
+
+
 def _family(options):
     def build(p: BenchProblem) -> Step:
         leaf = p.logits.detach().requires_grad_()
+        targets = _variant_targets(p, options)
+        old = _old_logprobs(p, options, targets)
         # Sampler log-probs a little off the old ones, so the corrections have work to do.
-        rollout = p.old_logprobs - 0.05 * torch.cos(torch.arange(p.old_logprobs.numel(), device=leaf.device)
-                                                    ).reshape(p.old_logprobs.shape)
+        rollout = old - 0.05 * torch.cos(torch.arange(old.numel(), device=leaf.device)).reshape(old.shape)
         extra = {"rollout_logprobs": rollout} if "rollout_correction" in options else {}
 
         def loss():
-            value, _ = gspo_loss(leaf, p.target_ids, p.old_logprobs, p.advantages, mask=p.mask, **extra,
+            value, _ = gspo_loss(leaf, targets, old, p.advantages, mask=p.mask, **extra,
                                  **{"eps_low": EPS_LOW, "eps_high": EPS_HIGH, **options})
             return value
 

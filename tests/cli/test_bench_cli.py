@@ -153,3 +153,20 @@ def test_quick_suite_times_the_variants_forward_and_backward_together():
         assert [steps_in(SuiteConfig(shapes=shape, providers=(name,), quick=quick, device="cpu"))
                 for quick in (True, False)] == [2, 4], name
     assert steps_in(SuiteConfig(shapes=shape, providers=("eager",), quick=True, device="cpu")) == 4
+
+
+@pytest.mark.parametrize("name", ["tx_scale", "tx_softcap", "tx_top_k", "tx_top_p", "tx_min_p"])
+def test_the_transform_contenders_give_every_row_a_gradient(name):
+    """The bench's old log-probs and targets fit each variant (providers._variant_targets,
+    _old_logprobs): random targets outside a top-k set gave -inf log-probs, and a transform's
+    log-probs against the plain old ones clipped half the sequences; either way rows got no
+    gradient and the timed backward zero-filled them. Every row of the variant must be worked, but
+    for a min-p row that keeps its target alone (probability 1, no gradient: 1.2% here)."""
+    from gspo_kernels.bench.problem import make_bench_problem
+    from gspo_kernels.bench.providers import FAMILY, _family
+
+    step = _family(FAMILY[name])(make_bench_problem(Shape(4, 64, 1024), torch.bfloat16, "cpu"))
+    loss = step.loss()
+    loss.backward()
+    worked = (step.leaf.grad.float().abs().sum(-1) > 0).float().mean().item()
+    assert torch.isfinite(loss) and worked >= 0.95, (float(loss), worked)
