@@ -177,7 +177,7 @@ def _variant_targets(p: BenchProblem, options) -> torch.Tensor:
     backward zero-filled every row: 8 x 512 x 32768, 2026-12-06)."""
     if not any(k.startswith("sampling_") for k in options):
         return p.target_ids
-    return torch.stack([p.logits[i].argmax(-1) for i in range(p.logits.shape[0])])
+    return p.logits.argmax(-1)
 
 
 def _old_logprobs(p: BenchProblem, options, targets: torch.Tensor) -> torch.Tensor:

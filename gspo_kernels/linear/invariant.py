@@ -83,10 +83,6 @@ class RowBlockProducts:
             out[part] = self.ops.logits(block)[:part.stop - part.start]
         return out
 
-    @property
-    def cpu_bf16(self) -> bool:
-        return self.ops.cpu_bf16
-
     def add_hidden_grad(self, d_hidden: torch.Tensor, dz: torch.Tensor, bad_rows: torch.Tensor | None = None) -> None:
         """d_hidden `[n, H]` (float32) += dz @ weight_block: each row block's product formed
         whole, then added, so a row's sum is the same whichever block and offset it lands in.

@@ -120,15 +120,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
     if need_b:
         d_bias = torch.empty_like(bias)
     rows_mm = None
-    nan = {}
-
-    def bad_rows(part: slice, products) -> torch.Tensor | None:
-        """The rows' NaN rows for a CPU's bf16 product (rows_sweep says why), found once."""
-        if not products.cpu_bf16:
-            return None
-        if "rows" not in nan:
-            nan["rows"] = saved.inputs.nan_rows()
-        return nan["rows"][part]
+    nan = None  # dz's NaN rows, for a CPU's bf16 product (rows_sweep says why)
 
     def block_grads(ops, products, inputs, owned):
         """This column block's (d weight, d bias), its d hidden added in place. Over every row at
@@ -136,7 +128,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
         if len(groups) == 1:
             dz = _block_grad(backend, products, rows_mm, inputs, owned)
             if need_h:
-                products.add_hidden_grad(d_hidden, dz, bad_rows(slice(0, rows), products))
+                products.add_hidden_grad(d_hidden, dz, nan)
             return (ops.weight_grad(dz, hidden, rows_mm) if need_w else None), (dz.sum(0, dtype=ops.accum_dtype) if need_b else None)
         block_width = ops.weight16.shape[0]
         weight_sum = torch.zeros(block_width, weight.shape[1], dtype=ops.accum_dtype, device=weight.device) if need_w else None
@@ -148,7 +140,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
             if need_b:
                 bias_sum += dz.sum(0, dtype=bias_sum.dtype)
             if need_h:
-                products.add_hidden_grad(d_hidden[part], dz, bad_rows(part, products))
+                products.add_hidden_grad(d_hidden[part], dz, None if nan is None else nan[part])
         return weight_sum, bias_sum
 
     for cols in columns:
@@ -157,6 +149,7 @@ def vocab_sweep(backend, saved: SavedPass, chunk: int, need, blocks: ProductBloc
             rows_mm = ops.rows(hidden)  # upcast once (CPU), not once per block
             if need_h:
                 d_hidden = torch.zeros(hidden.shape, dtype=ops.accum_dtype, device=hidden.device)
+                nan = saved.inputs.nan_rows() if ops.cpu_bf16 else None  # the same for every block
         local, in_block = VocabSlice(cols.start, cols.stop - cols.start).local_targets(saved.inputs.targets)
         owned = in_block if saved.owned is None else in_block & saved.owned
         products = ops if blocks is None else RowBlockProducts(ops, blocks)
