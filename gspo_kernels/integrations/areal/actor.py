@@ -12,14 +12,13 @@ packing, loss weights over the data-parallel group, the optimizer step, weight u
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import torch
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.perf_tracer import trace_scope
 
-from ..announce import announce_fused
+from ..announce import announce_fused, env_flag
 from .fused_forward import TokenStats, micro_batch_token_stats
 from .losses import micro_batch_loss
 
@@ -55,7 +54,7 @@ class FusedFSDPPPOActor(FSDPPPOActor):
     more forward product of the lm_head there (the fused path forms no logits, and without it
     those two statistics are not logged)."""
 
-    log_vocab_range: bool = os.environ.get(VOCAB_RANGE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    log_vocab_range: bool = env_flag(VOCAB_RANGE_ENV)
 
     def __init__(self, config):
         super().__init__(config)

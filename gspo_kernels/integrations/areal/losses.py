@@ -34,6 +34,7 @@ from areal.trainer.ppo.actor import _apply_m2po_masking, _resolve_proximal_logp,
 from areal.utils.functional import apply_rejection_sampling
 
 from ...config import GSPOConfig
+from ...inputs.segments import Segments
 from ...policy_loss import policy_loss
 from .fused_forward import TokenStats
 
@@ -77,15 +78,10 @@ def unmapped(options: dict | None, mb: dict) -> str | None:
 
 def _sequence_mean(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """AReaL's GSPO advantage: each sequence's mean over its loss tokens, on every one of them."""
-    if values.dim() == 2:
-        mean = torch.where(mask, values, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        return torch.where(mask, mean.expand_as(values), 0.0)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)
-    sums = torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add_(
-        0, seq, torch.where(mask, values, 0.0))
-    counts = torch.zeros(lengths.numel(), dtype=torch.long, device=values.device).index_add_(0, seq, mask.long())
-    return torch.where(mask, (sums / counts.clamp(min=1).to(values.dtype))[seq], 0.0)
+    segments = (Segments.padded(*values.shape) if values.dim() == 2
+                else Segments.packed(cu_seqlens.long(), values.numel()))
+    sums, counts = segments.seq_sums((torch.where(mask, values, 0.0), mask), values.dtype)
+    return torch.where(mask, segments.per_row(sums / counts.clamp(min=1)), 0.0)
 
 
 def _policy_term(logprobs: torch.Tensor, mb: dict, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +93,7 @@ def _policy_term(logprobs: torch.Tensor, mb: dict, options: dict) -> tuple[torch
                                   current_version=options["current_version"])
     if options["m2_threshold"] is not None:
         mask = _apply_m2po_masking(old, prox, mask, options["m2_threshold"])
-    count = max(int(mask.count_nonzero()), 1)
+    count = mask.count_nonzero().clamp(min=1).to(torch.float32)  # AReaL's denominator, without a host sync
     cu_seqlens = mb.get("cu_seqlens") if logprobs.dim() == 1 else None
     policy_mask, weights, baseline = mask, None, prox
     if options["use_sapo_loss"]:  # AReaL's SAPO: against the behaviour log-probs, no rejection sampling
@@ -117,7 +113,7 @@ def _policy_term(logprobs: torch.Tensor, mb: dict, options: dict) -> tuple[torch
         advantages = _sequence_mean(advantages, policy_mask, mb.get("cu_seqlens"))
     config = GSPOConfig(level=level, loss_agg="token-mean", log_ratio_clamp=(None, None), **settings)
     loss, _ = policy_loss(logprobs, baseline, advantages, mask=policy_mask, cu_seqlens=cu_seqlens,
-                          token_weights=weights, normalizer=float(count), config=config)
+                          token_weights=weights, normalizer=count, config=config)
     return loss, mask
 
 
