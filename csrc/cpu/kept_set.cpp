@@ -46,12 +46,14 @@ float load_row(const scalar_t* row, float* x, int64_t n) {
   int64_t i = 0;
   if constexpr (std::is_same_v<scalar_t, float>) {
     for (; i + Vec::size() <= n; i += Vec::size()) {
+      prefetch_ahead(row + i);
       const Vec v = Vec::loadu(row + i);
       v.store(x + i);
       vmax = at::vec::maximum(vmax, v);
     }
   } else {
     for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size()) {
+      prefetch_ahead(row + i);
       Vec a, b;
       load_pair(row + i, a, b);
       a.store(x + i);

@@ -80,6 +80,7 @@ GSPO_HOT_LOOP float block_max(const scalar_t* src, int64_t n, float scale) {
   const int64_t n_vec = n - n % kStep<scalar_t>;
   Vec vmax(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    prefetch_ahead(src + i);
     visit(src + i, [&](const Vec& x) { vmax = at::vec::maximum(vmax, x); });  // NaN-propagating
   }
   float x_max = max_lanes(vmax);
@@ -107,6 +108,7 @@ GSPO_HOT_LOOP SoftmaxStats clamped_sums_at(const scalar_t* src, int64_t n, float
     Vec chunk_sum(0.f), chunk_shifted(0.f);
     const int64_t stop = std::min(start + kChunk, n_vec);
     for (int64_t i = start; i < stop; i += kStep<scalar_t>) {
+      prefetch_ahead(src + i);
       visit(src + i, [&](const Vec& x) {
         // A plain max, which may drop a NaN: the NaN reaches `shifted` instead, since clamp_max
         // and the clamp_min in accumulate_shifted return their first operand when it is NaN.
@@ -298,6 +300,7 @@ GSPO_HOT_LOOP void map_block(const scalar_t* src, int64_t n, const LogitMap& map
   const Vec vkept(kept);
   float* out = dst;
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    prefetch_ahead(src + i);
     visit(src + i, [&](const Vec& x) {
       map_vec(x, map, vkept).store(out);
       out += Vec::size();
@@ -379,6 +382,7 @@ GSPO_HOT_LOOP void grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, i
   const float neg_g = -g * inv_t, neg_h = -h * inv_t;
   const Vec vscale(inv_t), vneg_lse(-row_lse), vent(row_entropy), vneg_g(neg_g), vneg_h(neg_h);
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    prefetch_ahead(src + i);
     transform(src + i, dst + i, [&](const Vec& x) {
       return softmax_grad_term<VecOps, kEntropyGrad>(at::vec::fmadd(x, vscale, vneg_lse), vent, vneg_g, vneg_h);
     });
@@ -401,6 +405,7 @@ GSPO_HOT_LOOP void mapped_grad_row(const scalar_t* src, scalar_t* dst, int64_t v
   const float x_target = static_cast<float>(src[y]);  // read before the loop: in place, it overwrites src[y]
   const Vec vkept(kept), vneg_lse(-row_lse), vent(row_entropy), vneg_g(-g), vneg_h(-h);
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
+    prefetch_ahead(src + i);
     transform(src + i, dst + i, [&](const Vec& x) {
       Vec slope;
       const Vec z = map_vec(x, map, vkept, &slope);

@@ -18,6 +18,23 @@
 
 namespace gspo::cpu {
 
+// The loops that stream a row from memory ask for the line kPrefetchBytes ahead of the one they
+// load. Without it the hardware prefetcher left them waiting on memory: the plain forward kernel
+// took 1.13 ns a logit on rows from DRAM against 0.33 ns on rows already in L2 (one thread,
+// N = 4096, V = 32768 bf16, a 2-core AVX-512 + AMX Xeon), and with it 0.37 ns; 1024 bytes ahead
+// gave 10% less, 4096 the same as 2048. A prefetch past a row's end is harmless (it never faults).
+#ifndef GSPO_PREFETCH_BYTES
+#define GSPO_PREFETCH_BYTES 2048
+#endif
+constexpr int64_t kPrefetchBytes = GSPO_PREFETCH_BYTES;
+
+template <typename T>
+inline void prefetch_ahead(const T* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, 0, 3);
+#endif
+}
+
 using Vec = at::vec::Vectorized<float>;
 
 inline void load_pair(const at::BFloat16* p, Vec& a, Vec& b) { at::vec::load_fp32_from_bf16(p, a, b); }
