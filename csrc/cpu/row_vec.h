@@ -15,6 +15,15 @@
 #else
 #define GSPO_HOT_LOOP
 #endif
+// On a row's whole pass: its own function, so that GCC allocates its registers apart from the
+// caller's other paths. Inlined into token_stats' row loop beside the plain and soft-capped
+// paths, the kept-set stats loop spilled and took 51 ms against 35 (N = 4096, V = 32768 bf16,
+// a 2-core AVX-512 + AMX Xeon).
+#if defined(__GNUC__)
+#define GSPO_ROW_PASS __attribute__((noinline, flatten))
+#else
+#define GSPO_ROW_PASS
+#endif
 
 namespace gspo::cpu {
 
@@ -55,6 +64,22 @@ struct ScalarOps {
   static float max(float a, float b) { return std::fmax(a, b); }
   static float fma(float a, float b, float c) { return std::fma(a, b, c); }
 };
+
+// 1 / a within about 2 ulp for a in [1, 2]: the hardware's 14-bit (AVX-512) or 12-bit (AVX2)
+// estimate and one Newton step, in place of a division, which took a fifth of the soft-capped
+// gradient's time (N = 4096, V = 32768 bf16, a 2-core AVX-512 + AMX Xeon). NaN stays NaN.
+inline Vec reciprocal(const Vec& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec r(_mm512_rcp14_ps(a));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const Vec r(_mm256_rcp_ps(a));
+#else
+  return a.reciprocal();
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return at::vec::fmadd(r, at::vec::fnmadd(a, r, Vec(1.f)), r);  // r + r (1 - a r)
+#endif
+}
 
 // NaN-propagating (at::vec::maximum / minimum keep a NaN lane).
 inline float max_lanes(const Vec& v) {
