@@ -64,7 +64,11 @@ struct RowResult {
 
 GSPO_HD RowResult finish_stats(const SoftmaxStats& st) {
   const float log_sum = logf(st.sum);
-  return {st.max, log_sum, st.max + log_sum, log_sum - st.shifted / st.sum};
+  // The entropy is >= 0; the CPU kernels' polynomial exp gives e^0 a few ulp under 1, so a row
+  // with one finite logit had sum < 1 and an entropy of about -1e-7 (found by the long fuzz).
+  // A NaN stays NaN.
+  const float entropy = log_sum - st.shifted / st.sum;
+  return {st.max, log_sum, st.max + log_sum, entropy < 0.f ? 0.f : entropy};
 }
 
 // log-probabilities below this are probability 0 in fp32 (e^-104 is under the smallest
