@@ -77,7 +77,7 @@ inline Vec reciprocal(const Vec& a) {
   return a.reciprocal();
 #endif
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return at::vec::fmadd(r, at::vec::fnmadd(a, r, Vec(1.f)), r);  // r + r (1 - a r)
+  return at::vec::fmadd(r, Vec(1.f) - a * r, r);  // r + r (1 - a r); no fnmadd in older torch's at::vec
 #endif
 }
 
