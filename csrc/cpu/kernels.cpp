@@ -183,7 +183,7 @@ GSPO_HOT_LOOP SoftmaxStats above_shift(const scalar_t* src, int64_t n, float sca
 // its shift is then corrected for its elements above it (above_shift). block_at(start, n)
 // gives each block's logits (the row itself, or a mapped copy).
 template <typename BlockAt>
-GSPO_ROW_PASS SoftmaxStats blocks_stats(int64_t vocab, float scale, BlockAt&& block_at) {
+GSPO_HOT_LOOP SoftmaxStats blocks_stats(int64_t vocab, float scale, BlockAt&& block_at) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   SoftmaxStats st = empty_stats();
   float seen_max = -kInf;
@@ -329,6 +329,24 @@ GSPO_HOT_LOOP void grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, i
   dst[y] = scalar_t(term + g * inv_t);
 }
 
+// A mapped row's scalar tail src[n_vec:vocab] and its target's one-hot term, by map_scalar, the
+// scalar twin of the SIMD lanes' map (x_target read before the row was written, for in place).
+template <typename scalar_t, bool kEntropyGrad>
+void mapped_grad_tail(const scalar_t* src, scalar_t* dst, int64_t n_vec, int64_t vocab, int64_t y, float x_target,
+                      const LogitMap& map, float kept, float g, float h, float row_lse, float row_entropy) {
+  for (int64_t i = n_vec; i < vocab; ++i) {
+    const float x = static_cast<float>(src[i]);
+    float slope;
+    const float z = map_scalar(x, map, kept, &slope);
+    dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z - row_lse, row_entropy, -g, -h) * slope);
+  }
+  float slope_target;
+  const float z_target = map_scalar(x_target, map, kept, &slope_target);
+  const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target - row_lse, row_entropy, -g, -h);
+  const float one_hot = x_target < kept ? 0.f : g;
+  dst[y] = scalar_t((term + one_hot) * slope_target);
+}
+
 // The same for a mapped row (soft-cap, or the sampler's kept set): each term times dz/dx, taken
 // per element (scale * cap * (1 - t^2) with t = tanh(scale * x)); a logit outside the kept set
 // has probability 0 and gets 0, and a target outside it gets no one-hot term.
@@ -346,17 +364,7 @@ GSPO_HOT_LOOP void mapped_grad_row(const scalar_t* src, scalar_t* dst, int64_t v
       return softmax_grad_term<VecOps, kEntropyGrad>(z + vneg_lse, vent, vneg_g, vneg_h) * slope;
     });
   }
-  for (int64_t i = n_vec; i < vocab; ++i) {
-    const float x = static_cast<float>(src[i]);
-    float slope;
-    const float z = map_scalar(x, map, kept, &slope);
-    dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z - row_lse, row_entropy, -g, -h) * slope);
-  }
-  float slope_target;
-  const float z_target = map_scalar(x_target, map, kept, &slope_target);
-  const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target - row_lse, row_entropy, -g, -h);
-  const float one_hot = x_target < kept ? 0.f : g;
-  dst[y] = scalar_t((term + one_hot) * slope_target);
+  mapped_grad_tail<scalar_t, kEntropyGrad>(src, dst, n_vec, vocab, y, x_target, map, kept, g, h, row_lse, row_entropy);
 }
 
 // The same for a soft-capped row, in chunks of kChunk logits: z and dz/dx into float32 scratch
@@ -397,17 +405,7 @@ GSPO_HOT_LOOP void capped_grad_row(const scalar_t* src, scalar_t* dst, int64_t v
       slope_in += kStep<scalar_t>;
     }
   }
-  for (int64_t i = n_vec; i < vocab; ++i) {
-    const float x = static_cast<float>(src[i]);
-    float slope;
-    const float z = map_scalar(x, map, kept, &slope);
-    dst[i] = scalar_t(softmax_grad_term<ScalarOps, kEntropyGrad>(z - row_lse, row_entropy, -g, -h) * slope);
-  }
-  float slope_target;
-  const float z_target = map_scalar(x_target, map, kept, &slope_target);
-  const float term = softmax_grad_term<ScalarOps, kEntropyGrad>(z_target - row_lse, row_entropy, -g, -h);
-  const float one_hot = x_target < kept ? 0.f : g;
-  dst[y] = scalar_t((term + one_hot) * slope_target);
+  mapped_grad_tail<scalar_t, kEntropyGrad>(src, dst, n_vec, vocab, y, x_target, map, kept, g, h, row_lse, row_entropy);
 }
 
 template <typename scalar_t, bool kEntropyGrad>
