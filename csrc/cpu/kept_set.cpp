@@ -24,6 +24,7 @@
 
 #include "../gspo_math.h"
 #include "../op_common.h"
+#include "row_select.h"
 #include "row_vec.h"
 
 namespace gspo::cpu {
@@ -37,7 +38,6 @@ struct SamplingFilter {
   double min_p;   // <= 0: none
 };
 
-constexpr int kNoLane = (1 << Vec::size()) - 1;  // zero_mask() of a compare that holds in no lane
 
 // The row in float32 into x; returns its max (NaN if any logit is NaN).
 template <typename scalar_t>
@@ -75,6 +75,7 @@ void map_row(const float* x, float* z, int64_t n, const LogitMap& map) {
   const Vec scale(map.scale), cap(map.cap);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
+    prefetch_ahead(x + i);
     const Vec y = Vec::loadu(x + i) * scale;
     (map.capped() ? y.tanh() * cap : y).store(z + i);
   }
@@ -87,6 +88,8 @@ float smallest_reaching(const float* x, const float* z, int64_t n, float z_min) 
   Vec small(kInf);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(z + i);
     small = at::vec::minimum(small, Vec::blendv(inf, Vec::loadu(x + i), Vec::loadu(z + i) >= vz_min));
   }
   float s = min_lanes(small);
@@ -100,6 +103,8 @@ double masses_row(const float* x, float* z, int64_t n, float z_max, float lower)
   Vec total(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(z + i);
     const Vec e = Vec::blendv(zero, (Vec::loadu(z + i) - shift).exp(), Vec::loadu(x + i) >= vlower);
     e.store(z + i);
     total = total + e;
@@ -120,6 +125,8 @@ double mass_at_least(const float* x, const float* e, int64_t n, float bound) {
   constexpr int64_t kStep = 4 * Vec::size();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(e + i);
     s0 = s0 + part(i);
     s1 = s1 + part(i + Vec::size());
     s2 = s2 + part(i + 2 * Vec::size());
@@ -131,61 +138,22 @@ double mass_at_least(const float* x, const float* e, int64_t n, float bound) {
   return total;
 }
 
-// emit(i) for each i in [0, n) where keep(i) holds, in order; any_in(i) says whether the SIMD
-// vector at i holds one, so that the vectors holding none (nearly all, above a good bound) cost
-// one compare.
-template <typename AnyIn, typename Keep, typename Emit>
-void for_each_where(int64_t n, AnyIn any_in, Keep keep, Emit emit) {
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    if (!any_in(i)) continue;
-    for (int64_t j = i; j < i + Vec::size(); ++j) {
-      if (keep(j)) emit(j);
-    }
-  }
-  for (; i < n; ++i) {
-    if (keep(i)) emit(i);
-  }
-}
-
-// The logits x >= bound, in row order, into xs (cleared first); `lanes` is scratch of its own.
-void gather_at_least(const float* x, int64_t n, float bound, std::vector<float>& xs, std::vector<float>& lanes) {
-  xs.clear();
-#if defined(CPU_CAPABILITY_AVX512)
-  // AVX-512's compress packs a vector's kept lanes in order, with no branch per vector: top-k's
-  // selection spent 14.7 us a row in the branchy loop below at V = 32768 (2-core AVX-512 + AMX
-  // Xeon). Compressed in a register and stored whole (into slack past the kept ones), not by
-  // the compressing store, which Zen 4 runs in microcode.
-  if (lanes.size() < static_cast<size_t>(n + 16)) lanes.resize(static_cast<size_t>(n + 16));
-  float* out = lanes.data();
-  const __m512 vb = _mm512_set1_ps(bound);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __mmask16 keep = _mm512_cmp_ps_mask(v, vb, _CMP_GE_OQ);
-    _mm512_storeu_ps(out, _mm512_maskz_compress_ps(keep, v));
-    out += __builtin_popcount(keep);
-  }
-  for (; i < n; ++i) {
-    if (x[i] >= bound) *out++ = x[i];
-  }
-  xs.assign(lanes.data(), out);
-#else
-  (void)lanes;
-  const Vec vbound(bound);
-  for_each_where(
-      n, [&](int64_t i) { return (Vec::loadu(x + i) >= vbound).zero_mask() != kNoLane; },
-      [&](int64_t i) { return x[i] >= bound; }, [&](int64_t i) { xs.push_back(x[i]); });
-#endif
-}
-
 // About how many logits of a row (every stride-th) the selections guess their bounds from.
 constexpr int64_t kSample = 1024;
 
 struct RowScratch {
-  std::vector<float> x, e, xs, sample, lanes;
+  std::vector<float> x, e, sample;
+  std::vector<float> xs, es;  // n + 16: compress_in_range's slack
   std::vector<std::pair<float, float>> pairs;
   std::vector<double> buckets;
+
+  // The logits x (and masses e) whose key lies in r, into xs (and es); how many.
+  int64_t collect(const float* key, int64_t n, KeyRange r, bool masses) {
+    const size_t room = static_cast<size_t>(n + 16);
+    if (xs.size() < room) xs.resize(room);
+    if (masses && es.size() < room) es.resize(room);
+    return compress_in_range(key, x.data(), e.data(), n, r, xs.data(), masses ? es.data() : nullptr);
+  }
 };
 
 // The k-th largest logit among x >= lower; lower itself when fewer than k are (all stay kept).
@@ -200,14 +168,12 @@ float kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
   const int64_t rank = k / stride + 8;  // ~8 strides of logits to spare
   float bound = lower;
   if (rank < static_cast<int64_t>(w.sample.size())) {
-    std::nth_element(w.sample.begin(), w.sample.begin() + rank, w.sample.end(), std::greater<float>());
-    bound = std::max(lower, w.sample[rank]);
+    bound = std::max(lower, nth_largest(w.sample.data(), static_cast<int64_t>(w.sample.size()), rank));
   }
-  gather_at_least(x, n, bound, w.xs, w.lanes);
-  if (static_cast<int64_t>(w.xs.size()) < k) gather_at_least(x, n, lower, w.xs, w.lanes);  // the guess was high
-  if (static_cast<int64_t>(w.xs.size()) < k) return lower;
-  std::nth_element(w.xs.begin(), w.xs.begin() + (k - 1), w.xs.end(), std::greater<float>());
-  return w.xs[k - 1];
+  int64_t found = w.collect(x, n, {bound, 0.f, true}, false);
+  if (found < k) found = w.collect(x, n, {lower, 0.f, true}, false);  // the guess was high
+  if (found < k) return lower;
+  return nth_largest(w.xs.data(), found, k - 1);
 }
 
 // Top-p among x >= lower, with w.e holding each logit's mass exp(z - z_max) (0 below lower) and
@@ -225,11 +191,9 @@ float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
   const float* e = w.e.data();
   const int64_t stride = std::max<int64_t>(1, n / kSample);
   const float heavy = static_cast<float>(target / kSample);
-  const Vec vheavy(heavy);
   w.pairs.clear();
-  for_each_where(
-      n, [&](int64_t i) { return (Vec::loadu(e + i) >= vheavy).zero_mask() != kNoLane; },
-      [&](int64_t i) { return e[i] >= heavy; }, [&](int64_t i) { w.pairs.emplace_back(x[i], e[i]); });
+  const int64_t heavies = w.collect(e, n, {heavy, 0.f, true}, true);
+  for (int64_t i = 0; i < heavies; ++i) w.pairs.emplace_back(w.xs[i], w.es[i]);
   for (int64_t i = 0; i < n; i += stride) {
     if (x[i] >= lower && e[i] < heavy) w.pairs.emplace_back(x[i], e[i] * static_cast<float>(stride));
   }
@@ -292,45 +256,11 @@ float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
   const int64_t slice = hi - 1;
   const double at_top = slice == 0 ? 0.0 : mass_at_least(x, e, n, edge(slice));
   const float top = edge(slice), bottom = edge(slice + 1);
-  // Its logits, then a selection weighted by mass among them (expected linear time): split them
-  // around a pivot v into > v, == v and < v; with G the mass above v (of the logits above the
-  // part searched too), G >= target puts the answer above v; G < target <= G + mass(== v) makes
-  // it v (the mass above v is below target, above any smaller value it is not); else it is below.
-  // The first slice has no top: it holds the +inf logits a soft-cap makes finite.
-  auto inside = [&](int64_t i) { return x[i] >= bottom && (slice == 0 || x[i] < top); };
-  w.pairs.clear();
-  const Vec vbottom(bottom), vtop(slice == 0 ? kInf : top), vinf(kInf);
-  for_each_where(
-      n,
-      [&](int64_t i) {
-        const Vec v = Vec::loadu(x + i);
-        return ((v >= vbottom) & ((v < vtop) | (vtop == vinf))).zero_mask() != kNoLane;
-      },
-      inside, [&](int64_t i) { w.pairs.emplace_back(x[i], e[i]); });
-  auto first = w.pairs.begin(), last = w.pairs.end();
-  double above = at_top;
-  float smallest = kInf;
-  for (const auto& pr : w.pairs) smallest = std::min(smallest, pr.first);
-  uint64_t pick = 0x9e3779b97f4a7c15ull;  // a fixed pseudo-random pivot order: the same bits every run
-  while (first != last) {
-    pick = pick * 6364136223846793005ull + 1442695040888963407ull;
-    const float v = (first + static_cast<std::ptrdiff_t>((pick >> 33) % static_cast<uint64_t>(last - first)))->first;
-    auto greater_end = std::partition(first, last, [v](const auto& c) { return c.first > v; });
-    auto equal_end = std::partition(greater_end, last, [v](const auto& c) { return c.first == v; });
-    double greater = 0.0, equal = 0.0;
-    for (auto it = first; it != greater_end; ++it) greater += it->second;
-    for (auto it = greater_end; it != equal_end; ++it) equal += it->second;
-    if (above + greater >= target) {
-      last = greater_end;
-    } else if (above + greater + equal >= target) {
-      return v;
-    } else {
-      above += greater + equal;
-      first = equal_end;
-    }
-  }
-  // The masses add up to a rounding short of target: every logit of the slice is kept.
-  return smallest;
+  // Its logits, then the cut weighted by mass among them (row_select.h's mass_cut), above them
+  // the mass at or above its top. The first slice has no top: it holds the +inf logits a
+  // soft-cap makes finite.
+  const int64_t inside = w.collect(x, n, {bottom, top, slice == 0}, true);
+  return mass_cut(w.xs.data(), w.es.data(), inside, at_top, target);
 }
 
 template <typename scalar_t>
@@ -364,10 +294,12 @@ float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, con
   Vec small(kInf), big(-kInf), dropped_v(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= vocab; i += Vec::size()) {
+    prefetch_ahead(x + i);
     const Vec v = Vec::loadu(x + i);
     const Vec kept = v >= vlower;
-    small = at::vec::minimum(small, Vec::blendv(inf, v, kept));
-    big = at::vec::maximum(big, Vec::blendv(v, ninf, kept));
+    // Plain min and max: the row holds no NaN here.
+    small = at::vec::clamp_max(small, Vec::blendv(inf, v, kept));
+    big = at::vec::clamp_min(big, Vec::blendv(v, ninf, kept));
     dropped_v = dropped_v + Vec::blendv(one, zero, kept);
   }
   float smallest = min_lanes(small), largest_out = max_lanes(big);
