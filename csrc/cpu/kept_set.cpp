@@ -169,8 +169,15 @@ struct RowScratch {
   std::vector<double> buckets;
 };
 
-// The k-th largest logit among x >= lower; lower itself when fewer than k are (all stay kept).
-float kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
+// Top-k's cut: the k-th largest logit among x >= lower (`value`; lower itself when fewer than k
+// are, all staying kept), and the largest logit below it when the candidates hold one
+// (`below`, -inf when they do not): every logit outside them lies under all of them, so it is
+// then the row's largest dropped logit, with no pass over the row to find it.
+struct TopK {
+  float value, below;
+};
+
+TopK kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
   const float* x = w.x.data();
   // Guess a bound above which a little more than k logits lie, from a strided sample.
   const int64_t stride = std::max<int64_t>(1, n / kSample);
@@ -185,8 +192,13 @@ float kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
   }
   int64_t found = w.near.gather(x, x, nullptr, n, {bound, 0.f, true}, false);
   if (found < k) found = w.near.gather(x, x, nullptr, n, {lower, 0.f, true}, false);  // the guess was high
-  if (found < k) return lower;
-  return nth_largest(w.near.x.data(), found, k - 1);
+  if (found < k) return {lower, -kInf};
+  const float* near = w.near.x.data();
+  w.sample.assign(near, near + found);  // nth_largest reorders its input
+  const float value = nth_largest(w.sample.data(), found, k - 1);
+  float below = -kInf;
+  for (int64_t i = 0; i < found; ++i) below = near[i] < value ? std::max(below, near[i]) : below;
+  return {value, below};
 }
 
 // Top-p among x >= lower, with w.e holding each logit's mass exp(z - z_max) (0 below lower) and
@@ -295,6 +307,14 @@ float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
   return mass_cut(w.slice.x.data(), w.slice.e.data(), inside, at_top, target);
 }
 
+// Halfway between the smallest kept logit and the largest dropped one (in float64, then
+// float32, never at or below the dropped one): kept_set.py's margin for logits formed again.
+float margin_between(float smallest_kept, float largest_dropped) {
+  const double middle = (static_cast<double>(smallest_kept) + static_cast<double>(largest_dropped)) / 2.0;
+  const float rounded = static_cast<float>(middle);
+  return rounded > largest_dropped ? rounded : smallest_kept;
+}
+
 template <typename scalar_t>
 float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, const SamplingFilter& s,
                     RowScratch& w) {
@@ -312,14 +332,16 @@ float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, con
     lower = smallest_reaching(x, w.e.data(), vocab, z_max + static_cast<float>(std::log(s.min_p)));
   }
   if (s.top_k > 0 && s.top_k < vocab) {  // the k-th largest kept logit, ties with it kept
-    lower = kth_largest(w, vocab, lower, s.top_k);
+    const TopK cut = kth_largest(w, vocab, lower, s.top_k);
+    lower = cut.value;
+    // The last filter, with a dropped logit among its candidates: the margin with no pass.
+    if (s.top_p >= 1.0 && cut.below > -kInf) return margin_between(cut.value, cut.below);
   }
   if (s.top_p < 1.0) {  // the softmax over the kept tokens, at the row's max (always kept)
     const double total = masses_row(x, w.e.data(), vocab, map, s.min_p > 0.0, z_max, lower);
     lower = std::max(lower, top_p_bound(w, vocab, lower, s.top_p * total));
   }
-  // Halfway between the smallest kept logit and the largest dropped one (in float64, then
-  // float32, never at or below the dropped one): kept_set.py's margin for logits formed again.
+  // The smallest kept logit, the largest dropped one, and whether any is dropped.
   const Vec vlower(lower), inf(kInf), ninf(-kInf), one(1.f), zero(0.f);
   Vec small(kInf), big(-kInf), dropped_v(0.f);
   int64_t i = 0;
@@ -343,8 +365,7 @@ float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, con
     }
   }
   if (!dropped) return -kInf;  // every token kept: the kernels' plain path, bitwise
-  const float middle = static_cast<float>((static_cast<double>(smallest) + static_cast<double>(largest_out)) / 2.0);
-  return middle > largest_out ? middle : smallest;
+  return margin_between(smallest, largest_out);
 }
 
 at::Tensor kept_thresholds(const at::Tensor& logits, double inv_temperature, double softcap, int64_t top_k,
