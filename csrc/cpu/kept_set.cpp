@@ -105,7 +105,7 @@ float smallest_reaching(const float* x, const float* z, int64_t n, float z_min) 
 // z_in_e (min-p mapped the row already), else formed from x on the way (one pass, not two).
 double masses_row(const float* x, float* e, int64_t n, const LogitMap& map, bool z_in_e, float z_max, float lower) {
   const Vec shift(z_max), vlower(lower), zero(0.f);
-  Vec total(0.f);
+  WideSum total;  // in float64: top-p's target is a fraction of it (row_select.h)
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
     prefetch_ahead(x + i);
@@ -114,9 +114,9 @@ double masses_row(const float* x, float* e, int64_t n, const LogitMap& map, bool
     const Vec z = z_in_e ? Vec::loadu(e + i) : map_reference(v, map);
     const Vec m = Vec::blendv(zero, (z - shift).exp(), v >= vlower);
     m.store(e + i);
-    total = total + m;
+    total.add(m);
   }
-  double sum = sum_lanes(total);
+  double sum = total.total();
   for (; i < n; ++i) {
     const float z = z_in_e ? e[i] : map(x[i]);
     e[i] = x[i] >= lower ? std::exp(z - z_max) : 0.f;
@@ -263,7 +263,7 @@ float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
   int64_t cn = n;
   if (narrow < kBuckets) {
     const int64_t found = w.near.gather(x, x, e, n, {edge(narrow), 0.f, true}, true);
-    if (mass_at_least(w.near.x.data(), w.near.e.data(), found, edge(narrow)) >= target) {
+    if (mass_at_least_f64(w.near.x.data(), w.near.e.data(), found, edge(narrow)) >= target) {
       cx = w.near.x.data();
       ce = w.near.e.data();
       cn = found;
@@ -297,14 +297,25 @@ float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
     const int64_t mid = lo + (hi - lo) / 2;
     (reaches(mid) ? hi : lo) = mid;
   }
-  const int64_t slice = hi - 1;
-  const double at_top = slice == 0 ? 0.0 : mass_at_least(cx, ce, cn, edge(slice));
-  const float top = edge(slice), bottom = edge(slice + 1);
-  // Its logits, then the cut weighted by mass among them (row_select.h's mass_cut), above them
-  // the mass at or above its top. The first slice has no top: it holds the +inf logits a
-  // soft-cap makes finite.
-  const int64_t inside = w.slice.gather(cx, cx, ce, cn, {bottom, top, slice == 0}, true);
-  return mass_cut(w.slice.x.data(), w.slice.e.data(), inside, at_top, target);
+  // The slice's logits, then the cut weighted by mass among them (row_select.h's mass_cut), with
+  // the mass at or above its top summed in float64. The passes above sum in float32, so a target
+  // within a rounding of a slice's edge may land in the slice above or below: step until the
+  // float64 sums bracket it. The first slice has no top: it holds the +inf logits a soft-cap
+  // makes finite.
+  int64_t slice = hi - 1;
+  auto mass_above = [&](int64_t s) { return s == 0 ? 0.0 : mass_at_least_f64(cx, ce, cn, edge(s)); };
+  double at_top = mass_above(slice);
+  while (slice > 0 && at_top >= target) at_top = mass_above(--slice);
+  for (;; ++slice) {
+    const int64_t inside = w.slice.gather(cx, cx, ce, cn, {edge(slice + 1), edge(slice), slice == 0}, true);
+    const MassCut cut = mass_cut(w.slice.x.data(), w.slice.e.data(), inside, at_top, target);
+    if (cut.reached) return cut.value;
+    at_top += cut.mass;
+    // The last slice (at or above edge(narrow), whose mass reaches target in float64, or the
+    // row's last, whose edge is lower) short of target: the sums a rounding apart, every logit
+    // of the slice kept.
+    if (slice + 1 >= narrow) return cut.value < kInf ? cut.value : lower;
+  }
 }
 
 // Halfway between the smallest kept logit and the largest dropped one (in float64, then
