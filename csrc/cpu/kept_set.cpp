@@ -4,12 +4,13 @@
 //
 // Each filter keeps an upper set of the raw logits, so the kept set is always {x >= lower} and
 // every filter only raises `lower`: min-p by one compare with the row's max z; top-k and top-p
-// by a selection among the few logits above a bound found from a strided sample of the row and
-// checked by exact SIMD passes (top_p_bound, kth_largest). Every full pass over a row is SIMD
-// loads, compares and exps: a first version, a 12/12/8-bit radix select (a scalar scatter of
-// every logit into bins) with scalar passes, took 353 ms for top-k at N = 4096, V = 32768 bf16
-// against 79 ms for the plain forward kernel (2-core AVX-512 + AMX Xeon); this one takes 75 ms.
-// Rows run in parallel; each thread holds a float32 copy of one row and its z.
+// by a selection among the logits above a bound guessed from a strided sample of the row and
+// checked by exact SIMD passes (kth_largest, top_p_bound), the selections themselves radix
+// selects with no branch per element (row_select.h). A first version, a 12/12/8-bit radix
+// select of the whole row (a scalar scatter of every logit into bins), took 353 ms for top-k at
+// N = 4096, V = 32768 bf16 against 79 ms for the plain forward kernel (2-core AVX-512 + AMX
+// Xeon). Top-p's decisions are float64 sums of float32 masses, as the float64 sampler's are.
+// Rows run in parallel; each thread holds a float32 copy of one row and its z or masses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -174,6 +174,21 @@ struct KeyRange {
   bool open_top;
 };
 
+// For each 8-bit mask, the lanes it holds, in order, then zeros: the permutation that packs
+// an AVX2 vector's kept lanes to its front.
+struct LeftPack {
+  uint32_t lanes[256][8];
+  LeftPack() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int at = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if (mask & (1 << lane)) lanes[mask][at++] = static_cast<uint32_t>(lane);
+      }
+      while (at < 8) lanes[mask][at++] = 0;
+    }
+  }
+};
+
 inline int64_t compress_in_range(const float* key, const float* x, const float* e, int64_t n, KeyRange r, float* xo,
                                  float* eo) {
   int64_t out = 0, i = 0;
@@ -191,6 +206,24 @@ inline int64_t compress_in_range(const float* key, const float* x, const float* 
     _mm512_storeu_ps(xo + out, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(x + i)));
     if (eo != nullptr) _mm512_storeu_ps(eo + out, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(e + i)));
     out += __builtin_popcount(keep);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  // AVX2 has no compress: each vector's kept lanes move to its front by a permutation looked
+  // up from the compare's 8-bit mask. The scalar loop below, run over the whole row, made
+  // top-p 0.9 take 358 ms at N = 4096, V = 32768 bf16 (2 threads, this build on an AMX Xeon).
+  static const LeftPack pack;
+  const __m256 vlo = _mm256_set1_ps(r.lo), vhi = _mm256_set1_ps(r.hi);
+  for (; i + 8 <= n; i += 8) {
+    prefetch_ahead(key + i);
+    const __m256 k = _mm256_loadu_ps(key + i);
+    __m256 keep = _mm256_cmp_ps(k, vlo, _CMP_GE_OQ);
+    if (!r.open_top) keep = _mm256_and_ps(keep, _mm256_cmp_ps(k, vhi, _CMP_LT_OQ));
+    const int mask = _mm256_movemask_ps(keep);
+    if (mask == 0) continue;
+    const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack.lanes[mask]));
+    _mm256_storeu_ps(xo + out, _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + i), order));
+    if (eo != nullptr) _mm256_storeu_ps(eo + out, _mm256_permutevar8x32_ps(_mm256_loadu_ps(e + i), order));
+    out += __builtin_popcount(mask);
   }
 #endif
   for (; i < n; ++i) {
