@@ -39,7 +39,6 @@ struct SamplingFilter {
   double min_p;   // <= 0: none
 };
 
-
 // The row in float32 into x; returns its max (NaN if any logit is NaN).
 template <typename scalar_t>
 float load_row(const scalar_t* row, float* x, int64_t n) {
