@@ -18,11 +18,11 @@ import argparse
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
+from gspo_kernels.bench.ports import free_port
 from step_timing import MMAP_ENV, measure_step, print_table
 
 PROMPT = 32
@@ -87,12 +87,6 @@ def _measure(kind: str, args) -> dict:
     return {"actor": cls.__name__, **measure_step(update, args.reps)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8)
@@ -114,7 +108,7 @@ def main() -> None:
     env = {**os.environ, **MMAP_ENV, "GSPO_KERNELS_QUIET": "1"}
     results = []
     for kind in ("areal", "gspo_kernels"):
-        out = subprocess.run([sys.executable, __file__, "--child", kind, "--model", model, "--port", str(_free_port()),
+        out = subprocess.run([sys.executable, __file__, "--child", kind, "--model", model, "--port", str(free_port()),
                               "--rows", str(args.rows), "--completion", str(args.completion), "--vocab",
                               str(args.vocab), "--dtype", args.dtype, "--reps", str(args.reps)]
                              + (["--vocab-range"] if args.vocab_range else []),

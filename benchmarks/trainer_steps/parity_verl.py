@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -19,6 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from gspo_kernels.bench.ports import free_port
 from parity_common import PeakMemory, rel, shifted_old, skipped, worst_grad
 
 TEMPERATURE = 1.0
@@ -158,12 +158,6 @@ def _run_path(model_dir, args, mode, fused, attention, device, old=None):
                 lp_memory=lp_memory, memory=memory, old=old, lp_dtype=lp_dtype)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _max_rel(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
     """The largest elementwise error relative to max(|want|, 1), over the response tokens."""
     return float(((got - want).abs() / want.abs().clamp(min=1.0))[mask].max())
@@ -173,7 +167,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     # As a verl user's Ray workers see it: set before verl is imported.
     os.environ["VERL_USE_EXTERNAL_MODULES"] = "gspo_kernels.integrations.verl"
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         if device.type == "cpu":
             # verl 0.9.1 has no CPU platform: the tests' registration, before verl picks its platform

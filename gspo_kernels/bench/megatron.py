@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from ..loss import gspo_loss
 from ..policy_loss import policy_loss
+from .ports import free_port
 
 HIDDEN = 64  # the output layer's input width: small, so that its product's backward costs little
 CONTENDERS = ("megatron_fp32", "ours_fp32", "ours_fp32_inplace", "megatron_bf16", "ours_bf16", "ours_bf16_inplace")
@@ -101,11 +102,7 @@ def _worker(rank, port, queue, contender, rows, vocab, reps):
 
 
 def measure(contender: str, rows: int, vocab: int, reps: int) -> dict:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(port, queue, contender, rows, vocab, reps), nprocs=2, join=True)
     return queue.get()

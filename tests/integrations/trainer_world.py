@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
+
+from gspo_kernels.bench.ports import free_port
 
 
 def join(rank: int, world: int, port: int) -> None:
@@ -32,12 +33,6 @@ def leave(rank: int, out: str, result) -> None:
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(worker, world: int, tmp_path, *args):

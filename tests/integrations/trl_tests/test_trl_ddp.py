@@ -16,8 +16,10 @@ from conftest import import_installed
 import torch
 import torch.distributed as dist
 
+from gspo_kernels.bench.ports import free_port
+
 import_installed("trl")
-from trainer_world import free_port, join  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
+from trainer_world import join  # noqa: E402  (tests/integrations/, pyproject.toml's pythonpath)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
