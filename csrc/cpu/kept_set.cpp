@@ -125,7 +125,9 @@ double masses_row(const float* x, float* e, int64_t n, const LogitMap& map, bool
   return sum;
 }
 
-// The mass (e) of the logits x >= bound.
+// The mass (e) of the logits x >= bound, summed in float32 lanes: top-p's search passes, which
+// only pick a slice; the sums that decide the cut are row_select.h's mass_at_least_f64 (four
+// float32 chains here, against two float64 ones there whose add latency would bound each pass).
 double mass_at_least(const float* x, const float* e, int64_t n, float bound) {
   const Vec vbound(bound), zero(0.f);
   auto part = [&](int64_t i) { return Vec::blendv(zero, Vec::loadu(e + i), Vec::loadu(x + i) >= vbound); };
@@ -164,7 +166,7 @@ struct Candidates {
 
 struct RowScratch {
   std::vector<float> x, e, sample;
-  Candidates near, slice;  // top-k's logits above its bound, top-p's narrowed row; top-p's slice
+  Candidates near, slice;  // top-k's logits above its bound, top-p's narrowed row; top-p's heavy logits, then its slice
   std::vector<std::pair<float, float>> pairs;
   std::vector<double> buckets;
 };
@@ -208,7 +210,8 @@ TopK kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
 // and lo, the mass at or above which reaches it; then only the logits in [lo, hi) are searched.
 // The bracket is one of kBuckets equal slices of the sampled logits' range, guessed from the heavy
 // logits (mass >= target / kSample, taken exactly) and a strided sample of the others (each
-// standing for `stride` logits), and checked (and moved) by exact SIMD sums over the row.
+// standing for `stride` logits), found by float32 SIMD passes over the row (narrowed below) and
+// confirmed, or moved, by float64 sums.
 constexpr int64_t kBuckets = 256;
 constexpr int64_t kNarrowMargin = 16;  // slices below the guess the narrowed row keeps
 
@@ -255,8 +258,8 @@ float top_p_bound(RowScratch& w, int64_t n, float lower, double target) {
     }
   }
   // The row narrowed to the logits at or above edge(narrow), a little below the guess, once its
-  // mass is checked to reach target: the search's passes then read only those (about a third of
-  // the row at top-p 0.9 on N(0, 2^2) logits, V = 32768). When the check fails, the whole row.
+  // mass is checked to reach target: the search's passes then read only those (about half the
+  // row at top-p 0.9 on N(0, 2^2) logits, V = 32768). When the check fails, the whole row.
   int64_t narrow = std::min(guessed + kNarrowMargin, kBuckets);
   const float* cx = x;
   const float* ce = e;

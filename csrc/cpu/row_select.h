@@ -166,9 +166,7 @@ inline double mass_at_least_f64(const float* x, const float* e, int64_t n, float
   return total;
 }
 
-// The entries of x (and e, when eo is given) whose key (from `key`: x itself or e) lies in
-// [lo, hi), or in [lo, +inf] when open_top, in order, into xo (and eo); returns how many.
-// xo and eo need 16 floats of slack past the count: each vector is stored whole.
+// A range of keys: [lo, hi), or [lo, +inf] when open_top.
 struct KeyRange {
   float lo, hi;
   bool open_top;
@@ -189,6 +187,9 @@ struct LeftPack {
   }
 };
 
+// The entries of x (and e, when eo is given) whose key (from `key`: x itself or e) lies in
+// [lo, hi), or in [lo, +inf] when open_top, in order, into xo (and eo); returns how many.
+// xo and eo need 16 floats of slack past the count: each vector is stored whole.
 inline int64_t compress_in_range(const float* key, const float* x, const float* e, int64_t n, KeyRange r, float* xo,
                                  float* eo) {
   int64_t out = 0, i = 0;
