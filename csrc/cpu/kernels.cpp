@@ -217,19 +217,28 @@ SoftmaxStats row_stats(const scalar_t* row, int64_t vocab, float scale) {
 }
 
 // A mapped block's z (-inf outside the kept set) into float32 scratch (L1).
-template <typename scalar_t>
-GSPO_HOT_LOOP void map_block(const scalar_t* src, int64_t n, const LogitMap& map, float kept, float* dst) {
+template <bool kMasked, typename scalar_t>
+GSPO_HOT_LOOP void map_block_as(const scalar_t* src, int64_t n, const LogitMap& map, float kept, float* dst) {
   const int64_t n_vec = n - n % kStep<scalar_t>;
   const Vec vkept(kept);
   float* out = dst;
   for (int64_t i = 0; i < n_vec; i += kStep<scalar_t>) {
     prefetch_ahead(src + i);
     visit(src + i, [&](const Vec& x) {
-      map_vec(x, map, vkept).store(out);
+      map_vec<kMasked>(x, map, vkept).store(out);
       out += Vec::size();
     });
   }
   for (int64_t i = n_vec; i < n; ++i) dst[i] = map_scalar(static_cast<float>(src[i]), map, kept);
+}
+
+template <typename scalar_t>
+void map_block(const scalar_t* src, int64_t n, const LogitMap& map, float kept, float* dst) {
+  if (kept == -std::numeric_limits<float>::infinity()) {
+    map_block_as<false>(src, n, map, kept, dst);
+  } else {
+    map_block_as<true>(src, n, map, kept, dst);
+  }
 }
 
 // A mapped row (soft-cap, or the sampler's kept set): each block mapped into scratch by a loop
@@ -371,7 +380,7 @@ GSPO_HOT_LOOP void mapped_grad_row(const scalar_t* src, scalar_t* dst, int64_t v
 // (L1) by one loop, then the terms by another. In one loop, tanh's and exp's registers spilled
 // (GCC 13): 114 ms against 43 for the plain gradient (N = 4096, V = 32768 bf16, a 2-core
 // AVX-512 + AMX Xeon).
-template <typename scalar_t, bool kEntropyGrad>
+template <typename scalar_t, bool kEntropyGrad, bool kMasked>
 GSPO_HOT_LOOP void capped_grad_row(const scalar_t* src, scalar_t* dst, int64_t vocab, int64_t y, const LogitMap& map,
                                    float kept, float g, float h, float row_lse, float row_entropy) {
   alignas(64) float zs[kChunk];
@@ -387,7 +396,7 @@ GSPO_HOT_LOOP void capped_grad_row(const scalar_t* src, scalar_t* dst, int64_t v
       prefetch_ahead(src + i);
       visit(src + i, [&](const Vec& x) {
         Vec slope;
-        map_vec(x, map, vkept, &slope).store(z_out);
+        map_vec<kMasked>(x, map, vkept, &slope).store(z_out);
         slope.store(slope_out);
         z_out += Vec::size();
         slope_out += Vec::size();
@@ -430,8 +439,10 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       const RowAction action = row_action(row_mask == nullptr || row_mask[row], lse[row], targets[row], vocab, g, h);
       const float kept = kept_min == nullptr ? -std::numeric_limits<float>::infinity() : kept_min[row];
       if (action == RowAction::kCompute && map.capped()) {
-        capped_grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map, kept, g, h,
-                                                lse[row], kEntropyGrad ? entropy[row] : 0.f);
+        const auto row_fn = kept == -std::numeric_limits<float>::infinity() ? capped_grad_row<scalar_t, kEntropyGrad, false>
+                                                                             : capped_grad_row<scalar_t, kEntropyGrad, true>;
+        row_fn(in_base + in.offset(row), dst, vocab, targets[row], map, kept, g, h, lse[row],
+               kEntropyGrad ? entropy[row] : 0.f);
       } else if (action == RowAction::kCompute && kept != -std::numeric_limits<float>::infinity()) {
         mapped_grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map, kept, g, h,
                                                 lse[row], kEntropyGrad ? entropy[row] : 0.f);
