@@ -105,7 +105,8 @@ float smallest_reaching(const float* x, const float* z, int64_t n, float z_min) 
 // z_in_e (min-p mapped the row already), else formed from x on the way (one pass, not two).
 // The exp is the kernels' own (VecOps: exp_u20, ~4 ulp on [-87, 0]); Sleef's 1-ulp exp took
 // this pass to 1.5x a whole plain forward row (AVX-512 Xeon without BF16).
-double masses_row(const float* x, float* e, int64_t n, const LogitMap& map, bool z_in_e, float z_max, float lower) {
+GSPO_HOT_LOOP double masses_row(const float* x, float* e, int64_t n, const LogitMap& map, bool z_in_e, float z_max,
+                                float lower) {
   const Vec shift(z_max), vlower(lower), zero(0.f);
   WideSum total;  // in float64: top-p's target is a fraction of it (row_select.h)
   int64_t i = 0;
