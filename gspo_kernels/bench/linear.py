@@ -40,7 +40,7 @@ from ..linear import fused_linear_gspo_loss
 from ..linear.products import cpu_has_native_bf16
 from ..loss import gspo_loss
 from .kept_sets import KEPT_SIZES, kept_flops, kept_loss
-from .memory import CpuProbe, gpu_peak_bytes
+from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import EPS_HIGH, EPS_LOW, parse_dims
 from .providers import Provider, Step, _always, compiled_for_timing, gspo_from_logprobs, requires
 from .report import huge_pages, timing_cells
@@ -250,10 +250,9 @@ def measure_linear(cfg, name: str, problem: LinearProblem, progress) -> list:
                 device=cfg.device, hidden=shape.hidden)
 
     def peak_bytes(step):
+        peak = gpu_peak_bytes(step) if cfg.device == "cuda" else cpu_peak_bytes(name, shape, cfg.dtype, kind="linear")
         # What the contender returns (d hidden, d weight) is not its overhead: report beyond it.
-        returned = sum(t.numel() * t.element_size() for t in (step.leaf, *step.other_leaves))
-        return gpu_peak_bytes(step) - returned if cfg.device == "cuda" else CpuProbe(name, shape, cfg.dtype, "linear",
-                                                                                      returned)
+        return peak - sum(t.numel() * t.element_size() for t in (step.leaf, *step.other_leaves))
 
     return measure(cfg, Measurement(LINEAR_PROVIDERS[name], problem, base, f"{name} {shape}", peak_bytes), progress)
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .memory import CpuProbe, gpu_peak_bytes, run_probes
+from .memory import cpu_peak_bytes, gpu_peak_bytes
 from .problem import DTYPES, Shape, floor_bytes, make_bench_problem
 from .providers import PROVIDERS, Provider
 from .timing import MODES, copy_bandwidth_gbs, time_mode
@@ -52,9 +52,6 @@ class BenchRow:
     floor_fraction: float | None = None  # (byte floor / copy bandwidth) / median time
     note: str = ""
     hidden: int | None = None  # fused-linear problems: H
-    # A CPU memory measurement not yet run (memory.CpuProbe): measure_in_rounds runs them after
-    # the timings, several at a time. Never written out.
-    probe: CpuProbe | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -63,7 +60,7 @@ class SuiteResult:
     rows: list[BenchRow] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"meta": self.meta, "rows": [{k: v for k, v in asdict(r).items() if k != "probe"} for r in self.rows]}
+        return {"meta": self.meta, "rows": [asdict(r) for r in self.rows]}
 
 
 def _cpu_name() -> str:
@@ -127,7 +124,7 @@ class Measurement:
     problem: object
     base: dict  # BenchRow fields shared by its rows
     label: str  # progress text
-    peak_bytes: Callable  # step -> bytes beyond the inputs, or a CpuProbe that will measure them
+    peak_bytes: Callable  # step -> bytes beyond the inputs
     floor_ms: Callable | None = None  # mode -> milliseconds at the byte floor
 
 
@@ -156,14 +153,10 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
             floor = None if m.floor_ms is None else m.floor_ms(mode) / ms
             rows.append(BenchRow(**m.base, mode=mode, status="ok", median_ms=ms, floor_fraction=floor))
         if cfg.measure_memory and timed:  # a provider the quick suite leaves out is not run at all
+            progress.step(f"{m.label} peak memory")
             peak = m.peak_bytes(step)
             for r in rows:
-                if isinstance(peak, CpuProbe):
-                    r.probe = peak
-                else:
-                    r.peak_mem_mib = peak / 2**20
-            if not isinstance(peak, CpuProbe):
-                progress.step(f"{m.label} peak memory")
+                r.peak_mem_mib = peak / 2**20
     except Exception as exc:  # one provider failing (OOM, missing op) must not end the suite
         status = "oom" if _is_oom(exc) else "error"
         done = {r.mode for r in rows}
@@ -177,14 +170,14 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
     return rows
 
 
-def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable, once=(), progress=None) -> list[BenchRow]:
+def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable, once=()) -> list[BenchRow]:
     """Rows of every contender in `names` (measure_one(cfg, name) -> its rows), measured in
     cfg.rounds rounds of alternating order (those in `once`: in the first round only). A row's
     time is the median of its rounds' medians (the mean of two); its peak memory is taken in the
-    first round only, on a CPU after all the timings (run_pending_probes)."""
+    first round only."""
     names = list(names)
     if cfg.rounds <= 1:
-        return run_pending_probes([row for name in names for row in measure_one(cfg, name)], progress)
+        return [row for name in names for row in measure_one(cfg, name)]
     per_round: dict[str, list[list[BenchRow]]] = {name: [] for name in names}
     for index in range(cfg.rounds):
         round_cfg = replace(cfg, measure_memory=cfg.measure_memory and index == 0)
@@ -206,30 +199,7 @@ def measure_in_rounds(cfg: SuiteConfig, names, measure_one: Callable, once=(), p
                 row.floor_fraction *= row.median_ms / ms
             row.median_ms = ms
             merged.append(row)
-    return run_pending_probes(merged, progress)
-
-
-def run_pending_probes(rows: list[BenchRow], progress=None) -> list[BenchRow]:
-    """rows, with the peak memory of each CPU probe they hold measured (memory.run_probes) and
-    the probe dropped; a failed probe leaves the memory empty and says why in the note."""
-    groups: dict[int, tuple[CpuProbe, list[BenchRow]]] = {}
-    for row in rows:
-        if row.probe is not None:
-            groups.setdefault(id(row.probe), (row.probe, []))[1].append(row)
-            row.probe = None
-    probes = [probe for probe, _ in groups.values()]
-
-    def finished(probe: CpuProbe) -> None:
-        if progress is not None:
-            progress.step(f"{probe.provider} {probe.shape} peak memory")
-
-    for (_, group), peak in zip(groups.values(), run_probes(probes, finished)):
-        for row in group:
-            if isinstance(peak, Exception):
-                row.note = (row.note + "; " if row.note else "") + f"memory probe failed: {str(peak)[:200]}"
-            else:
-                row.peak_mem_mib = peak / 2**20
-    return rows
+    return merged
 
 
 def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: float, progress) -> list[BenchRow]:
@@ -237,7 +207,7 @@ def _measure(cfg: SuiteConfig, name: str, problem, shape: Shape, bandwidth: floa
                 dtype=cfg.dtype, device=cfg.device)
 
     def peak_bytes(step):
-        return gpu_peak_bytes(step) if cfg.device == "cuda" else CpuProbe(name, shape, cfg.dtype)
+        return gpu_peak_bytes(step) if cfg.device == "cuda" else cpu_peak_bytes(name, shape, cfg.dtype)
 
     def floor_ms(mode):
         return floor_bytes(shape, DTYPES[cfg.dtype], mode) / (bandwidth * 1e9) * 1e3
@@ -252,7 +222,7 @@ def run_suite(cfg: SuiteConfig, progress) -> SuiteResult:
         problem = make_bench_problem(shape, DTYPES[cfg.dtype], cfg.device)
         result.rows += measure_in_rounds(
             cfg, cfg.providers, lambda round_cfg, name: _measure(round_cfg, name, problem, shape, bandwidth, progress),
-            once=_quick_once(cfg), progress=progress)
+            once=_quick_once(cfg))
         del problem
         gc.collect()
     return result

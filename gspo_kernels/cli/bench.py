@@ -86,8 +86,7 @@ def _run_linear(args, device: str) -> int:
     for shape in shapes:
         problem = make_linear_problem(shape, DTYPES[args.dtype], device)
         rows += measure_in_rounds(cfg, providers,
-                                  lambda round_cfg, name: measure_linear(round_cfg, name, problem, progress),
-                                  progress=progress)
+                                  lambda round_cfg, name: measure_linear(round_cfg, name, problem, progress))
         del problem
     progress.close()
     result = SuiteResult(meta=machine_meta(device, float("nan")) | {"dtype": args.dtype, "kind": "fused linear",
