@@ -430,6 +430,7 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
   const bool* row_mask = g_in.row_mask.has_value() ? g_in.row_mask->const_data_ptr<bool>() : nullptr;
   const float* kept_min = g_in.kept_min.has_value() ? g_in.kept_min->const_data_ptr<float>() : nullptr;
   const int64_t vocab = in.vocab;
+  constexpr float kAll = -std::numeric_limits<float>::infinity();  // kept_min of a row that keeps every logit
   at::parallel_for(0, in.rows, grain_rows(vocab), [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     for (int64_t row = begin; row < end; ++row) {
@@ -437,13 +438,13 @@ void grad_rows(const at::Tensor& logits, const RowLayout& in, at::Tensor& grad, 
       const float g = grad_logp[row];
       const float h = kEntropyGrad ? grad_entropy[row] : 0.f;
       const RowAction action = row_action(row_mask == nullptr || row_mask[row], lse[row], targets[row], vocab, g, h);
-      const float kept = kept_min == nullptr ? -std::numeric_limits<float>::infinity() : kept_min[row];
+      const float kept = kept_min == nullptr ? kAll : kept_min[row];
       if (action == RowAction::kCompute && map.capped()) {
-        const auto row_fn = kept == -std::numeric_limits<float>::infinity() ? capped_grad_row<scalar_t, kEntropyGrad, false>
-                                                                             : capped_grad_row<scalar_t, kEntropyGrad, true>;
+        const auto row_fn = kept == kAll ? capped_grad_row<scalar_t, kEntropyGrad, false>
+                                         : capped_grad_row<scalar_t, kEntropyGrad, true>;
         row_fn(in_base + in.offset(row), dst, vocab, targets[row], map, kept, g, h, lse[row],
                kEntropyGrad ? entropy[row] : 0.f);
-      } else if (action == RowAction::kCompute && kept != -std::numeric_limits<float>::infinity()) {
+      } else if (action == RowAction::kCompute && kept != kAll) {
         mapped_grad_row<scalar_t, kEntropyGrad>(in_base + in.offset(row), dst, vocab, targets[row], map, kept, g, h,
                                                 lse[row], kEntropyGrad ? entropy[row] : 0.f);
       } else if (action == RowAction::kCompute) {
