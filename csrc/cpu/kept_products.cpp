@@ -177,19 +177,20 @@ inline void entry_dots(const c10::BFloat16* w_row, const float* row, const c10::
 constexpr int64_t kChunkVecs = 8;
 constexpr int64_t kChunk = kChunkVecs * Vec::size();
 
-// acc[0:h] += c_j * t_j[0:h] for `count` rows t_j, added one after another in j's order, a chunk
-// of acc at a time in registers (one rounding a product-add).
-template <typename scalar_t>
-void add_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h, float* acc) {
+// acc[0:h] += c_j * t_j[0:h] for `count` rows t_j = row(j), added one after another in j's
+// order, a chunk of acc at a time in registers (one rounding a product-add).
+template <typename Row>
+void add_rows(const float* c, const Row& row, int64_t count, int64_t h, float* acc) {
   const int64_t h_vec = h - h % kChunk;
   for (int64_t i = 0; i < h_vec; i += kChunk) {
     Vec sum[kChunkVecs];
     for (int64_t q = 0; q < kChunkVecs; ++q) sum[q] = Vec::loadu(acc + i + q * Vec::size());
     for (int64_t j = 0; j < count; ++j) {
       const Vec vc(c[j]);
+      const auto* t = row(j) + i;
       for (int64_t q = 0; q < kChunkVecs; q += 2) {
         Vec a, b;
-        load2(t[j] + i + q * Vec::size(), a, b);
+        load2(t + q * Vec::size(), a, b);
         sum[q] = at::vec::fmadd(a, vc, sum[q]);
         sum[q + 1] = at::vec::fmadd(b, vc, sum[q + 1]);
       }
@@ -198,7 +199,7 @@ void add_rows(const float* c, const scalar_t* const* t, int64_t count, int64_t h
   }
   for (int64_t i = h_vec; i < h; ++i) {
     float s = acc[i];
-    for (int64_t j = 0; j < count; ++j) s = std::fma(c[j], static_cast<float>(t[j][i]), s);
+    for (int64_t j = 0; j < count; ++j) s = std::fma(c[j], static_cast<float>(row(j)[i]), s);
     acc[i] = s;
   }
 }
@@ -401,7 +402,7 @@ at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, cons
         rows_by_id_block(op, r, tile, vocab, cursor, [&](int64_t j, int64_t first, int64_t last) {
           t.clear();
           for (int64_t e = first; e < last; ++e) t.push_back(w + r.ids[e] * h);
-          add_rows(d + first, t.data(), last - first, h, acc.data() + j * h);
+          add_rows(d + first, [&](int64_t q) { return t[q]; }, last - first, h, acc.data() + j * h);
         });
         if (round) {
           round_into(acc.data(), out.data_ptr<scalar_t>() + first_row * h, n_rows * h);
@@ -430,28 +431,27 @@ std::tuple<at::Tensor, at::Tensor> kept_weight_grad(const at::Tensor& dx, const 
   GSPO_DISPATCH_LOGITS(hidden.scalar_type(), "gspo_kernels::kept_products", [&] {
     const scalar_t* hid = hidden.const_data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
-    // An id a step: its rows' products summed a chunk at a time in registers. Tiling the ids
-    // against blocks of rows, so that a block's hidden rows stay in L2, measured slower here
-    // (46 against 35 ms on a 2-core AMX Xeon, N = 2048, H = 512, 512 ids a row): an id meets
-    // about 8 rows a block, too few to pay for reloading its sums.
+    // An id a step: its rows' products summed a chunk at a time in registers, block after block,
+    // the rows read through the grouped entries (gathering each id's coefficients and row
+    // pointers into vectors first took 5% more, one thread of a 2-core AVX-512 Xeon). Tiling the
+    // ids against blocks of rows, so that a block's hidden rows stay in L2, measured slower (46
+    // against 35 ms on a 2-core AMX Xeon, N = 2048, H = 512, 512 ids a row): an id meets about 8
+    // rows a block, too few to pay for reloading its sums. So did passes over slices of 128
+    // columns, a slice of every hidden row then in L2 (59-83 against 47-57 ms, one thread, the
+    // 2-core AVX-512 Xeon without BF16, whose L2 of 1.25 MiB holds no whole hidden matrix).
     at::parallel_for(0, vocab, 64, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(h), c;
-      std::vector<const scalar_t*> t;
+      std::vector<float> acc(h);
       for (int64_t v = begin; v < end; ++v) {
-        c.clear();
-        t.clear();
-        for (int64_t b = 0; b < g.blocks; ++b) {  // blocks in row order: the id's rows ascending
-          const int64_t s = b * g.vocab + v;
-          for (int64_t e = g.offsets[s]; e < g.offsets[s + 1]; ++e) {
-            c.push_back(d[e]);
-            t.push_back(hid + g.rows[e] * h);
-          }
-        }
-        float bias_sum = 0.f;
-        for (const float x : c) bias_sum += x;
-        db[v] = bias_sum;
         std::fill(acc.begin(), acc.end(), 0.f);
-        add_rows(c.data(), t.data(), static_cast<int64_t>(c.size()), h, acc.data());
+        float bias_sum = 0.f;
+        for (int64_t b = 0; b < g.blocks; ++b) {  // blocks in row order: the id's rows ascending
+          const int64_t s = b * g.vocab + v, first = g.offsets[s], count = g.offsets[s + 1] - first;
+          if (count == 0) continue;
+          for (int64_t e = first; e < first + count; ++e) bias_sum += d[e];
+          const int64_t* rows = g.rows + first;
+          add_rows(d + first, [&](int64_t j) { return hid + rows[j] * h; }, count, h, acc.data());
+        }
+        db[v] = bias_sum;
         round_into(acc.data(), dst + v * h, h);
       }
     });
