@@ -395,14 +395,12 @@ at::Tensor kept_hidden_grad(const at::Tensor& dx, const at::Tensor& weight, cons
     at::parallel_for(0, r.tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(static_cast<size_t>(r.tile_rows * h));
       std::vector<int64_t> cursor;
-      std::vector<const scalar_t*> t;
       for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t first_row = r.first_row(tile), n_rows = r.rows_of(tile);
         std::fill_n(acc.data(), n_rows * h, 0.f);
         rows_by_id_block(op, r, tile, vocab, cursor, [&](int64_t j, int64_t first, int64_t last) {
-          t.clear();
-          for (int64_t e = first; e < last; ++e) t.push_back(w + r.ids[e] * h);
-          add_rows(d + first, [&](int64_t q) { return t[q]; }, last - first, h, acc.data() + j * h);
+          const int64_t* ids = r.ids + first;
+          add_rows(d + first, [&](int64_t q) { return w + ids[q] * h; }, last - first, h, acc.data() + j * h);
         });
         if (round) {
           round_into(acc.data(), out.data_ptr<scalar_t>() + first_row * h, n_rows * h);
