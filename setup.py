@@ -9,6 +9,9 @@ torch are present. Switches (environment variables):
     GSPO_NO_OPENMP=1           CPU kernels on one thread (default: OpenMP where torch uses it)
                                (default: the best the build machine has; the extension is
                                built for the machine that runs it, like any source build)
+    GSPO_PREBUILT_EXTENSION=1  build no extension: an editable install whose tree already holds
+                               gspo_kernels/backends/_C*.so built from these sources against the
+                               same torch (scripts/test_areal.sh's second environment)
     MAX_JOBS=2                 parallel compile jobs (ninja)
 
 Install torch first, then `pip install --no-build-isolation .`: an isolated build would
@@ -85,6 +88,9 @@ def _pip_cuda_include_dirs() -> list[str]:
 
 
 def _extensions():
+    if _truthy("GSPO_PREBUILT_EXTENSION"):
+        print("gspo_kernels: GSPO_PREBUILT_EXTENSION=1, the extension in the tree is used as it is")
+        return [], {}
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension

@@ -40,12 +40,14 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import gspo_k
     echo "[setup] up to date ($VENV)" >&2
 else
     echo "[setup] installing $TORCH_SPEC" >&2
-    "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+    # --no-compile: no bytecode for every file at install (torch alone took about 20 s of its
+    # 57 s on the 2-core machine); modules compile when first imported.
+    "$PY" -m pip install -q --disable-pip-version-check --no-compile "$TORCH_SPEC"
     echo "[setup] building gspo_kernels (the C++/CUDA extension takes a few minutes), then the trainers" >&2
     # wheel: deepspeed is an sdist, built (without isolation) against this torch.
     "$PY" -m pip install -q --disable-pip-version-check wheel setuptools
-    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "$ROOT[dev,bench,trl,verl,deepspeed,megatron]"
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps "$VERL_SPEC"
+    "$PY" -m pip install -q --disable-pip-version-check --no-compile --no-build-isolation -e "$ROOT[dev,bench,trl,verl,deepspeed,megatron]"
+    "$PY" -m pip install -q --disable-pip-version-check --no-compile --no-deps "$VERL_SPEC"
     echo "$WANT" > "$STAMP"
 fi
 echo "$PY"

@@ -40,7 +40,7 @@ if ! [ -x "$PY" ] || [ "$("$PY" -c 'import torch; print(torch.__version__.split(
     echo "[matrix] $VENV: torch==$TORCH_VERSION on $("$PYBIN" --version)" >&2
     rm -rf "$VENV"
     "$PYBIN" -m venv "$VENV"
-    "$PY" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+    "$PY" -m pip install -q --disable-pip-version-check --no-compile "torch==$TORCH_VERSION"
 fi
 # What the build and the tests need beside torch (older torch releases do not bring numpy). The
 # newest numpy pip finds for this Python, unless GSPO_MATRIX_NUMPY says otherwise (a spec).

@@ -18,5 +18,10 @@ for arg in "$@"; do
     case "$arg" in -*) ;; *) exit 0 ;; esac
 done
 if [ "${GSPO_SKIP_AREAL:-0}" != "1" ]; then
+    # The extension setup_env.sh has just built (or found current) serves AReaL's environment too.
+    built=("$ROOT"/gspo_kernels/backends/_C*.so)
+    if [ ${#built[@]} -eq 1 ] && [ -f "${built[0]}" ]; then
+        export GSPO_AREAL_EXTENSION="${built[0]}"
+    fi
     "$ROOT/scripts/test_areal.sh" "$@"
 fi
