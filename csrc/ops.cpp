@@ -29,6 +29,10 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // token kept), float32 of the logits' leading shape. top_k <= 0, top_p >= 1, min_p <= 0: unused.
   m.def("kept_thresholds(Tensor logits, float inv_temperature, float softcap, int top_k, float top_p, "
         "float min_p) -> Tensor");
+  // Stage 1 with that kept set selected as each row is read (CPU): token_stats' three outputs
+  // over each row's kept set, then the thresholds kept_thresholds would give, for stage 3.
+  m.def("sampled_token_stats(Tensor logits, Tensor targets, float inv_temperature, float softcap, int top_k, "
+        "float top_p, float min_p) -> (Tensor, Tensor, Tensor, Tensor)");
   // Stage 2, packed layout: per-sequence sums of (N,) or (N, k) values over the rows
   // cu_seqlens[s] .. cu_seqlens[s + 1], accumulated in float64 and returned in the values'
   // dtype, (S,) or (S, k) (0 for an empty sequence).

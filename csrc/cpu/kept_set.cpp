@@ -3,14 +3,18 @@
 // of the row (token_stats/kept_set.py states the rules; its PyTorch pre-pass is the reference).
 //
 // Each filter keeps an upper set of the raw logits, so the kept set is always {x >= lower} and
-// every filter only raises `lower`: min-p by one compare with the row's max z; top-k and top-p
-// by a selection among the logits above a bound guessed from a strided sample of the row and
-// checked by exact SIMD passes (kth_largest, top_p_bound), the selections themselves radix
-// selects with no branch per element (row_select.h). A first version, a 12/12/8-bit radix
-// select of the whole row (a scalar scatter of every logit into bins), took 353 ms for top-k at
-// N = 4096, V = 32768 bf16 against 79 ms for the plain forward kernel (2-core AVX-512 + AMX
-// Xeon). Top-p's decisions are float64 sums of float32 masses, as the float64 sampler's are.
-// Rows run in parallel; each thread holds a float32 copy of one row and its z or masses.
+// every filter only raises `lower`: min-p by one compare with the row's max z; top-k by a
+// selection among the logits above a bound guessed from a strided sample of the row and checked
+// by an exact SIMD pass (kth_largest); top-p by a search on the masses alone (mass_bracket.h)
+// settled on the logits of the bracket it finds (top_p_from_bracket), or, when that bracket is
+// not a range of logits too, by the search on the logits (top_p_bound). The selections
+// themselves are radix selects with no branch per element (row_select.h). A first version, a
+// 12/12/8-bit radix select of the whole row (a scalar scatter of every logit into bins), took
+// 353 ms for top-k at N = 4096, V = 32768 bf16 against 79 ms for the plain forward kernel (2-core
+// AVX-512 + AMX Xeon). The search on the masses took top-p 0.9 from 65-73 to 40-42 us a row on
+// one thread (N(0, 2^2) bf16 logits, V = 32768; AVX-512 Xeon without BF16), 0.5 and 0.99 alike.
+// Top-p's decisions are float64 sums of float32 masses, as the float64 sampler's are. Rows run
+// in parallel; each thread holds a float32 copy of one row and its z or masses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,6 +29,8 @@
 
 #include "../gspo_math.h"
 #include "../op_common.h"
+#include "kept_set.h"
+#include "mass_bracket.h"
 #include "row_select.h"
 #include "row_vec.h"
 
@@ -32,12 +38,6 @@ namespace gspo::cpu {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-struct SamplingFilter {
-  int64_t top_k;  // <= 0: none
-  double top_p;   // >= 1: none
-  double min_p;   // <= 0: none
-};
 
 // The row in float32 into x; returns its max (NaN if any logit is NaN).
 template <typename scalar_t>
@@ -168,10 +168,11 @@ struct Candidates {
 };
 
 struct RowScratch {
-  std::vector<float> x, e, sample;
+  std::vector<float> x, e, sample, sample_e;
   Candidates near, slice;  // top-k's logits above its bound, top-p's narrowed row; top-p's heavy logits, then its slice
   std::vector<std::pair<float, float>> pairs;
   std::vector<double> buckets;
+  BracketScratch bracket;
 };
 
 // Top-k's cut: the k-th largest logit among x >= lower (`value`; lower itself when fewer than k
@@ -332,15 +333,132 @@ float margin_between(float smallest_kept, float largest_dropped) {
   return rounded > largest_dropped ? rounded : smallest_kept;
 }
 
+// Top-p's threshold from the range of masses holding its cut (mass_bracket.h): the logits whose
+// masses lie in the range, widened by 2^-16 of itself each side, gathered; the mass above them
+// summed in float64; the cut among them by mass_cut, exactly as top_p_bound settles it. The
+// range is taken only when it is a range of the logits too (every logit above it larger than all
+// in it, every one below smaller), which a mass rounding against the logits' order would break;
+// false then, or when the float64 sums put the cut outside it. On success, the threshold
+// row_threshold returns: the margin below the cut, or -inf when every token stays. kStats (no
+// soft-cap): also the kept set's softmax stats at z_max, its masses and z - z_max summed in
+// float64 on the way (z = x * scale, as masses_row formed the masses).
+template <bool kStats>
+bool top_p_from_bracket(RowScratch& w, int64_t n, const MassRange& range, double target, const LogitMap& map,
+                        float z_max, KeptRow& out) {
+  const float* x = w.x.data();
+  const float* e = w.e.data();
+  const float lo = std::max(range.lo * (1.f - 0x1p-16f), std::numeric_limits<float>::denorm_min());
+  const float hi = range.hi * (1.f + 0x1p-16f);  // +inf stays +inf: no logit above
+  // In the range: its logits and masses gathered. Past it: the mass at or above it and its
+  // smallest logit; below it, the largest logit and whether any (a dropped token).
+  Candidates& in = w.slice;
+  if (in.x.size() < static_cast<size_t>(n + 16)) in.x.resize(static_cast<size_t>(n + 16));
+  if (in.e.size() < static_cast<size_t>(n + 16)) in.e.resize(static_cast<size_t>(n + 16));
+  float* xs_out = in.x.data();
+  float* es_out = in.e.data();
+  int64_t inside = 0, i = 0;
+  WideSum above, above_shifted;  // the latter: sum of e (z - z_max) at or above the range
+  float smallest_above = kInf, largest_below = -kInf;
+  bool any_below = false;
+#if defined(CPU_CAPABILITY_AVX512)
+  // One pass; the compresses as in row_select.h's compress_in_range.
+  const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+  __m512 above_min = _mm512_set1_ps(kInf), below_max = _mm512_set1_ps(-kInf);
+  __mmask16 below_seen = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_ahead(x + i);
+    prefetch_ahead(e + i);
+    const __m512 v = _mm512_loadu_ps(x + i), m = _mm512_loadu_ps(e + i);
+    const __mmask16 at_hi = _mm512_cmp_ps_mask(m, vhi, _CMP_GE_OQ);
+    const __mmask16 at_lo = _mm512_cmp_ps_mask(m, vlo, _CMP_GE_OQ);
+    const __mmask16 mid = _kandn_mask16(at_hi, at_lo), under = _knot_mask16(at_lo);
+    _mm512_storeu_ps(xs_out + inside, _mm512_maskz_compress_ps(mid, v));
+    _mm512_storeu_ps(es_out + inside, _mm512_maskz_compress_ps(mid, m));
+    inside += __builtin_popcount(mid);
+    above.add(Vec(_mm512_maskz_mov_ps(at_hi, m)));
+    if constexpr (kStats) {
+      const __m512 d = _mm512_fmsub_ps(v, _mm512_set1_ps(map.scale), _mm512_set1_ps(z_max));
+      above_shifted.add(Vec(_mm512_maskz_mul_ps(at_hi, m, d)));
+    }
+    above_min = _mm512_mask_min_ps(above_min, at_hi, above_min, v);
+    below_max = _mm512_mask_max_ps(below_max, under, below_max, v);
+    below_seen |= under;
+  }
+  smallest_above = _mm512_reduce_min_ps(above_min);
+  largest_below = _mm512_reduce_max_ps(below_max);
+  any_below = below_seen != 0;
+#else
+  {
+    const Vec vlo(lo), vhi(hi), inf(kInf), ninf(-kInf), one(1.f), zero(0.f);
+    Vec above_min(kInf), below_max(-kInf), below_count(0.f);
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      prefetch_ahead(x + i);
+      prefetch_ahead(e + i);
+      const Vec v = Vec::loadu(x + i), m = Vec::loadu(e + i);
+      const Vec is_above = m >= vhi, is_below = m < vlo;
+      above.add(Vec::blendv(zero, m, is_above));
+      if constexpr (kStats) above_shifted.add(Vec::blendv(zero, m * (v * Vec(map.scale) - Vec(z_max)), is_above));
+      above_min = at::vec::clamp_max(above_min, Vec::blendv(inf, v, is_above));
+      below_max = at::vec::clamp_min(below_max, Vec::blendv(ninf, v, is_below));
+      below_count = below_count + Vec::blendv(zero, one, is_below);
+    }
+    smallest_above = min_lanes(above_min);
+    largest_below = max_lanes(below_max);
+    any_below = sum_lanes(below_count) > 0.f;
+  }
+  inside = compress_in_range(e, x, e, i, {lo, hi, hi == kInf}, xs_out, es_out);  // the tail: below
+#endif
+  double mass_above = above.total(), shifted_above = kStats ? above_shifted.total() : 0.0;
+  for (; i < n; ++i) {
+    xs_out[inside] = x[i];
+    es_out[inside] = e[i];
+    if (e[i] >= hi) {
+      mass_above += e[i];
+      if constexpr (kStats) shifted_above += static_cast<double>(e[i]) * (x[i] * map.scale - z_max);
+      smallest_above = std::min(smallest_above, x[i]);
+    } else if (e[i] < lo) {
+      largest_below = std::max(largest_below, x[i]);
+      any_below = true;
+    } else {
+      ++inside;
+    }
+  }
+  if (inside == 0) return false;
+  const float* xs = w.slice.x.data();
+  const auto [least, most] = std::minmax_element(xs, xs + inside);
+  if (!(largest_below < *least) || !(*most < smallest_above) || mass_above >= target) return false;
+  w.sample.assign(xs, xs + inside);  // mass_cut reorders the slice
+  if constexpr (kStats) w.sample_e.assign(w.slice.e.data(), w.slice.e.data() + inside);
+  const MassCut cut = mass_cut(w.slice.x.data(), w.slice.e.data(), inside, mass_above, target);
+  if (!cut.reached) return false;
+  double kept_mass = mass_above, kept_shifted = shifted_above;
+  for (int64_t j = 0; j < inside; ++j) {
+    const float v = w.sample[j];
+    if (v < cut.value) {
+      any_below = true;
+      largest_below = std::max(largest_below, v);
+    } else if constexpr (kStats) {
+      kept_mass += w.sample_e[j];
+      kept_shifted += static_cast<double>(w.sample_e[j]) * (v * map.scale - z_max);
+    }
+  }
+  out.threshold = any_below ? margin_between(cut.value, largest_below) : -kInf;
+  // A row that keeps every token takes the kernels' plain path (bitwise), not these sums.
+  out.summed = kStats && any_below;
+  if (out.summed) out.stats = {z_max, static_cast<float>(kept_mass), static_cast<float>(kept_shifted)};
+  return true;
+}
+
 template <typename scalar_t>
-float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, const SamplingFilter& s,
-                    RowScratch& w) {
+KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, const SamplingFilter& s, bool with_stats,
+                      RowScratch& w) {
+  const auto only = [](float threshold) { return KeptRow{threshold, false, {}}; };
   w.x.resize(vocab);
   float* x = w.x.data();
   const float x_max = load_row(row, x, vocab);
   // A NaN, or +inf without a soft-cap: the row has no finite softmax and keeps every token, so
   // its results stay NaN (a soft-capped +inf is a finite z). An all -inf row keeps every token.
-  if (x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf) return -kInf;
+  if (x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf) return only(-kInf);
   const float z_max = map(x_max);
   if (s.min_p > 0.0 || s.top_p < 1.0) w.e.resize(vocab);
   float lower = -kInf;  // the kept set so far: {x >= lower}
@@ -352,11 +470,19 @@ float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, con
     const TopK cut = kth_largest(w, vocab, lower, s.top_k);
     lower = cut.value;
     // The last filter, with a dropped logit among its candidates: the margin with no pass.
-    if (s.top_p >= 1.0 && cut.below > -kInf) return margin_between(cut.value, cut.below);
+    if (s.top_p >= 1.0 && cut.below > -kInf) return only(margin_between(cut.value, cut.below));
   }
   if (s.top_p < 1.0) {  // the softmax over the kept tokens, at the row's max (always kept)
     const double total = masses_row(x, w.e.data(), vocab, map, s.min_p > 0.0, z_max, lower);
-    lower = std::max(lower, top_p_bound(w, vocab, lower, s.top_p * total));
+    const double target = s.top_p * total;
+    MassRange range;
+    KeptRow kept;
+    if (mass_bracket(w.e.data(), vocab, total, target, w.bracket, range) &&
+        (with_stats && !map.capped() ? top_p_from_bracket<true>(w, vocab, range, target, map, z_max, kept)
+                                     : top_p_from_bracket<false>(w, vocab, range, target, map, z_max, kept))) {
+      return kept;
+    }
+    lower = std::max(lower, top_p_bound(w, vocab, lower, target));
   }
   // The smallest kept logit, the largest dropped one, and whether any is dropped.
   const Vec vlower(lower), inf(kInf), ninf(-kInf), one(1.f), zero(0.f);
@@ -381,27 +507,52 @@ float row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, con
       largest_out = std::max(largest_out, x[i]);
     }
   }
-  if (!dropped) return -kInf;  // every token kept: the kernels' plain path, bitwise
-  return margin_between(smallest, largest_out);
+  if (!dropped) return only(-kInf);  // every token kept: the kernels' plain path, bitwise
+  return only(margin_between(smallest, largest_out));
 }
+
+}  // namespace
+
+SamplingFilter sampling_filter(int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK(top_p > 0.0 && min_p <= 1.0, "gspo_kernels: top_p must be > 0 and min_p <= 1; got ", top_p, " and ",
+              min_p);
+  return {top_k, top_p, min_p};
+}
+
+struct KeptSelector::Scratch {
+  RowScratch rows;
+};
+
+KeptSelector::KeptSelector(const LogitMap& map, const SamplingFilter& filter, bool with_stats)
+    : map_(map), filter_(filter), with_stats_(with_stats), scratch_(std::make_unique<Scratch>()) {}
+
+KeptSelector::~KeptSelector() = default;
+
+KeptRow KeptSelector::operator()(const float* row, int64_t vocab) {
+  return row_threshold(row, vocab, map_, filter_, with_stats_, scratch_->rows);
+}
+KeptRow KeptSelector::operator()(const at::BFloat16* row, int64_t vocab) {
+  return row_threshold(row, vocab, map_, filter_, with_stats_, scratch_->rows);
+}
+KeptRow KeptSelector::operator()(const at::Half* row, int64_t vocab) {
+  return row_threshold(row, vocab, map_, filter_, with_stats_, scratch_->rows);
+}
+
+namespace {
 
 at::Tensor kept_thresholds(const at::Tensor& logits, double inv_temperature, double softcap, int64_t top_k,
                            double top_p, double min_p) {
   check_logits(logits, c10::kCPU);
   const LogitMap map = logit_map(inv_temperature, softcap);
-  TORCH_CHECK(top_p > 0.0 && min_p <= 1.0, "gspo_kernels: top_p must be > 0 and min_p <= 1; got ", top_p, " and ",
-              min_p);
-  const SamplingFilter filter{top_k, top_p, min_p};
+  const SamplingFilter filter = sampling_filter(top_k, top_p, min_p);
   const RowLayout layout = row_layout(logits);
   at::Tensor out = at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::kept_thresholds", [&] {
     const scalar_t* base = logits.const_data_ptr<scalar_t>();
     at::parallel_for(0, layout.rows, 1, [&](int64_t begin, int64_t end) {
-      RowScratch scratch;
-      for (int64_t row = begin; row < end; ++row) {
-        dst[row] = row_threshold(base + layout.offset(row), layout.vocab, map, filter, scratch);
-      }
+      KeptSelector select(map, filter, false);
+      for (int64_t row = begin; row < end; ++row) dst[row] = select(base + layout.offset(row), layout.vocab).threshold;
     });
   });
   return out;

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 
@@ -23,6 +24,7 @@
 #include "../gspo_math.h"
 #include "../op_common.h"
 #include "huge_pages.h"
+#include "kept_set.h"
 #include "logit_map_vec.h"
 #include "row_vec.h"
 
@@ -291,18 +293,26 @@ class FlushDenormals {
 
 int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(vocab, 1)); }
 
-template <typename scalar_t>
+// Stage 1 over the rows. kept_of_rows() gives each thread a callable (row, row pointer) ->
+// KeptRow: the row's kept set, and its stats when the selection summed them (the sampled op);
+// the others' stats come from this file's loops.
+template <typename scalar_t, typename KeptOfRows>
 void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const int64_t* targets, const LogitMap& map,
-                      const float* kept_min, float* logp, float* entropy, float* lse) {
+                      KeptOfRows&& kept_of_rows, float* logp, float* entropy, float* lse) {
   const scalar_t* base = logits.const_data_ptr<scalar_t>();
   constexpr float kAll = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, layout.rows, grain_rows(layout.vocab), [&](int64_t begin, int64_t end) {
-    const FlushDenormals flush;
+    auto kept_of = kept_of_rows();
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* row_ptr = base + layout.offset(row);
-      const float kept = kept_min == nullptr ? kAll : kept_min[row];
+      // The selection reads denormal logits as they are (a denormal beside a zero is a distinct
+      // token to top-k): it runs before the flush below.
+      const KeptRow k = kept_of(row, row_ptr);
+      const FlushDenormals flush;
+      const float kept = k.threshold;
       // A row that keeps every token (kept = -inf) takes the plain path: bitwise the plain result.
-      const SoftmaxStats st = map.capped()    ? mapped_row_stats(row_ptr, layout.vocab, map, kept)
+      const SoftmaxStats st = k.summed        ? k.stats
+                              : map.capped()  ? mapped_row_stats(row_ptr, layout.vocab, map, kept)
                               : kept != kAll ? row_stats(row_ptr, layout.vocab, map.scale, KeptMask<true>{kept})
                                              : row_stats(row_ptr, layout.vocab, map.scale);
       const RowResult r = finish_stats(st);
@@ -329,12 +339,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
   at::Tensor logp = at::empty(targets.sizes(), opts);
   at::Tensor entropy = at::empty(targets.sizes(), opts);
   at::Tensor lse = at::empty(targets.sizes(), opts);
+  const float* kept = kept_min.has_value() ? kept_min->const_data_ptr<float>() : nullptr;
+  auto given = [kept] {
+    return [kept](int64_t row, const void*) {
+      return KeptRow{kept == nullptr ? -std::numeric_limits<float>::infinity() : kept[row], false, {}};
+    };
+  };
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
-    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map,
-                               kept_min.has_value() ? kept_min->const_data_ptr<float>() : nullptr,
-                               logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
+    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map, given, logp.data_ptr<float>(),
+                               entropy.data_ptr<float>(), lse.data_ptr<float>());
   });
   return {logp, entropy, lse};
+}
+
+// Stage 1 with the sampler's kept set selected row by row (kept_set.h) as each row is read: the
+// row is then in cache for its stats, and where the selection summed the kept set's softmax
+// (top-p without a soft-cap) the stats pass is skipped. Returns token_stats' outputs and the
+// thresholds (kept_thresholds' output, which stage 3 takes).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sampled_token_stats(
+    const at::Tensor& logits, const at::Tensor& targets, double inv_temperature, double softcap, int64_t top_k,
+    double top_p, double min_p) {
+  check_logits(logits, c10::kCPU);
+  const LogitMap map = logit_map(inv_temperature, softcap);
+  const SamplingFilter filter = sampling_filter(top_k, top_p, min_p);
+  const RowLayout layout = row_layout(logits);
+  check_row_vector("targets", targets, logits, layout.rows, at::kLong);
+  const auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty(targets.sizes(), opts);
+  at::Tensor entropy = at::empty(targets.sizes(), opts);
+  at::Tensor lse = at::empty(targets.sizes(), opts);
+  at::Tensor kept_min = at::empty(targets.sizes(), opts);
+  float* thresholds = kept_min.data_ptr<float>();
+  const int64_t vocab = layout.vocab;
+  GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::sampled_token_stats", [&] {
+    auto selecting = [&] {
+      return [select = std::make_shared<KeptSelector>(map, filter, true), thresholds, vocab](int64_t row,
+                                                                                             const scalar_t* ptr) {
+        const KeptRow k = (*select)(ptr, vocab);
+        thresholds[row] = k.threshold;
+        return k;
+      };
+    };
+    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map, selecting,
+                               logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
+  });
+  return {logp, entropy, lse, kept_min};
 }
 
 // The gradient of one row that the row rule sends to kCompute (target in range, finite lse).
@@ -493,6 +542,7 @@ int64_t row_threads(int64_t rows, int64_t vocab) {
 
 TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
   m.impl("token_stats", &token_stats);
+  m.impl("sampled_token_stats", &sampled_token_stats);
   m.impl("logits_grad", &logits_grad_op<launch_grad>);
   m.impl("logits_grad_", &logits_grad_inplace_op<launch_grad>);
 }

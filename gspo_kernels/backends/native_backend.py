@@ -17,7 +17,7 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
 
 # The ops the package calls: an extension built from older sources lacks some, and is refused
 # whole (with the reason) rather than failing at a first call.
-OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "segment_sum", "segment_expand", "kept_group",
+OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "sampled_token_stats", "segment_sum", "segment_expand", "kept_group",
        "kept_dots", "kept_hidden_grad", "kept_weight_grad", "kept_target_positions", "kept_softmax_stats",
        "kept_softmax_grad")
 if _C is not None:
@@ -51,6 +51,10 @@ if _C is not None:
     @torch.library.register_fake("gspo_kernels::kept_thresholds")
     def _(logits, inv_temperature, softcap, top_k, top_p, min_p):
         return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+    @torch.library.register_fake("gspo_kernels::sampled_token_stats")
+    def _(logits, targets, inv_temperature, softcap, top_k, top_p, min_p):
+        return tuple(logits.new_empty(targets.shape, dtype=torch.float32) for _ in range(4))
 
     @torch.library.register_fake("gspo_kernels::kept_target_positions")
     def _(offsets, ids, targets):
@@ -97,6 +101,14 @@ def kept_thresholds(logits, logit_map, top_k, top_p, min_p):
     top_p 1.0 and min_p 0.0 for a filter not applied): csrc/cpu/kept_set.cpp."""
     return torch.ops.gspo_kernels.kept_thresholds(with_unit_vocab_stride(logits), *logit_map.op_args(), top_k,
                                                   top_p, min_p)
+
+
+def sampled_token_stats(logits, inputs: StatsInputs, top_k, top_p, min_p):
+    """token_stats over the sampler's kept set, selected as each row is read (CPU tensors;
+    inputs.kept_min None): (logp, entropy, lse, the thresholds kept_thresholds gives)."""
+    targets, inv_temperature, softcap, _ = inputs.op_args()
+    return torch.ops.gspo_kernels.sampled_token_stats(with_unit_vocab_stride(logits), targets, inv_temperature, softcap,
+                                                      top_k, top_p, min_p)
 
 
 def logits_grad(logits, inputs: GradInputs):

@@ -19,7 +19,7 @@ import torch
 from .. import backends
 from ..backends.contract import GradInputs, StatsInputs
 from ..distributed.collectives import sum_over_ranks
-from ..token_stats.kept_set import kept_thresholds
+from ..token_stats.kept_set import kept_set_stats
 from ..token_stats.upstream import nan_lse_for_bad_targets, upstream_grads
 
 from .plan import LinearPlan
@@ -48,10 +48,12 @@ class FusedLinearTokenStats(torch.autograd.Function):
                 logits = ops.logits(hidden[part])
             else:
                 logits = invariant_logits(weight, bias, hidden[part], plan.blocks)
-            if kept_min is not None:  # the sampler's kept set, from this chunk's logits
-                kept_min[part] = kept_thresholds(logits, plan.logit_map, plan.sampling, plan.backend_name)
-            inputs = StatsInputs(targets[part], plan.logit_map, None if kept_min is None else kept_min[part])
-            logp[part], entropy[part], lse[part] = backend.token_stats(logits, inputs)
+            inputs = StatsInputs(targets[part], plan.logit_map)
+            if kept_min is None:
+                logp[part], entropy[part], lse[part] = backend.token_stats(logits, inputs)
+            else:  # the sampler's kept set, from this chunk's logits
+                logp[part], entropy[part], lse[part], kept_min[part] = kept_set_stats(
+                    backend, logits, inputs, plan.sampling, plan.backend_name)
         if plan.tp_slice is not None:
             # One merge for all rows after the loop: two collectives per call, not per chunk.
             logp, entropy, lse = plan.tp_slice.merge(logp, entropy, lse, owned)  # lse NaN where no single owner

@@ -28,7 +28,7 @@ from ..distributed.collectives import sum_over_ranks
 from ..inputs.batch import LossBatch
 from ..inputs.sequence_groups import SequenceGroup, group_aggregation
 from ..sequence.gspo_objective import aggregation_weight, gspo_objective, sequence_coefficients
-from ..token_stats.kept_set import kept_thresholds
+from ..token_stats.kept_set import kept_set_stats
 from ..token_stats.slice_grad import slice_logits_grad
 from ..token_stats.upstream import nan_lse_for_bad_targets, upstream_grads
 from .plan import LinearPlan
@@ -114,10 +114,12 @@ def _run(hidden, weight, bias, plan: LinearPlan, job: OnePassLoss, need):
     for group in job.groups:
         part = group.rows
         logits = ops.logits(hidden[part], None if buffer is None else buffer[:part.stop - part.start])
+        inputs = StatsInputs(targets[part], plan.logit_map)
         kept_min = None
-        if plan.sampling is not None:  # the sampler's kept set, from this group's logits
-            kept_min = kept_thresholds(logits, plan.logit_map, plan.sampling, plan.backend_name)
-        lp, ent, lse = backend.token_stats(logits, StatsInputs(targets[part], plan.logit_map, kept_min))
+        if plan.sampling is None:
+            lp, ent, lse = backend.token_stats(logits, inputs)
+        else:  # the sampler's kept set, from this group's logits
+            lp, ent, lse, kept_min = kept_set_stats(backend, logits, inputs, plan.sampling, plan.backend_name)
         if plan.tp_slice is not None:  # two collectives per group, O(rows)
             lp, ent, lse = plan.tp_slice.merge(lp, ent, lse, owned[part])
         else:

@@ -19,7 +19,7 @@ from ..config.values import check_logit_scale, check_logit_softcap, check_sampli
 from ..distributed.vocab_parallel import VocabSlice
 from ..inputs.checks import TokenLayout, check_mask, check_targets
 from ..config.logit_map import LogitMap
-from .kept_set import SamplingFilter, kept_thresholds
+from .kept_set import SamplingFilter, kept_set_stats
 from .on_kept_tokens import kept_token_stats, no_other_kept_set
 from .upstream import upstream_grads
 from .slice_grad import slice_logits_grad
@@ -36,12 +36,17 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, row_mask, logit_map: LogitMap, backend_name: str, inplace: bool,
-                tp_slice: VocabSlice | None, kept_min: torch.Tensor | None = None):
+                tp_slice: VocabSlice | None, kept_min: torch.Tensor | None = None,
+                sampling: SamplingFilter | None = None):
         backend = backends.get(backend_name)
         owned = None
         if tp_slice is not None:
             targets, owned = tp_slice.local_targets(targets)
-        logp, entropy, lse = backend.token_stats(logits, StatsInputs(targets, logit_map, kept_min))
+        if sampling is not None:  # the sampler's kept set, selected here
+            logp, entropy, lse, kept_min = kept_set_stats(backend, logits, StatsInputs(targets, logit_map), sampling,
+                                                          backend_name)
+        else:
+            logp, entropy, lse = backend.token_stats(logits, StatsInputs(targets, logit_map, kept_min))
         if tp_slice is not None:
             logp, entropy, lse = tp_slice.merge(logp, entropy, lse, owned)  # batch-invariant: rank order
         # Saving an output costs autograd a detach to save and one to unpack: a detached alias
@@ -57,7 +62,7 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        no_grads = (None,) * 8
+        no_grads = (None,) * 9
         if (grad_logp is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
             return no_grads
         if getattr(ctx, "wrote_in_place", False):  # before saved_tensors, whose error names no cause
@@ -90,15 +95,18 @@ def token_stats(logits, targets, logit_map: LogitMap, backend_name: str, inplace
     if kept_tokens is not None:
         no_other_kept_set(kept_tokens, sampling, sampling_threshold)
         return kept_token_stats(logits, targets, logit_map, kept_tokens, inplace, row_mask, tp_slice)
-    kept_min = sampling_kept_min(logits, targets.shape, logit_map, sampling, sampling_threshold, tp_slice,
-                                 backend_name)
+    active = sampling is not None and sampling.active
+    if active and sampling_threshold is None and tp_slice is None:  # selected in the forward
+        return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice, None,
+                                        sampling)
+    kept_min = given_kept_min(logits, targets.shape, sampling, sampling_threshold, tp_slice)
     return TokenStatsFunction.apply(logits, targets, row_mask, logit_map, backend_name, inplace, tp_slice, kept_min)
 
 
-def sampling_kept_min(logits, token_shape, logit_map: LogitMap, sampling, sampling_threshold, tp_slice,
-                      backend_name: str = "torch"):
-    """The per-row kept-set thresholds the kernels take (float32, contiguous, token_shape), or
-    None when the sampler kept every token."""
+def given_kept_min(logits, token_shape, sampling, sampling_threshold, tp_slice):
+    """The per-row kept-set thresholds passed as sampling_threshold (float32, contiguous,
+    token_shape), checked, or None without one; refuses it beside the sampling options, and
+    those options with a vocab slice."""
     active = sampling is not None and sampling.active
     if sampling_threshold is None and not active:
         return None
@@ -109,8 +117,6 @@ def sampling_kept_min(logits, token_shape, logit_map: LogitMap, sampling, sampli
         raise NotImplementedError("the sampler's kept set over vocab-parallel logits (tp_group) needs a selection "
                                   "across ranks, which is not implemented: compute the log-probs without "
                                   "tp_group, or without the sampling options")
-    if sampling_threshold is None:
-        return kept_thresholds(logits, logit_map, sampling, backend_name).reshape(token_shape)
     if not isinstance(sampling_threshold, torch.Tensor) or not sampling_threshold.dtype.is_floating_point:
         raise TypeError("sampling_threshold must be a float tensor: per token, the smallest raw logit the sampler "
                         "kept")

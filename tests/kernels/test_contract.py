@@ -78,7 +78,9 @@ def _schemas_taking_inputs():
     ops = []
     if backends.native_available():
         ops += [(torch.ops.gspo_kernels.logits_grad, OP_ARG_NAMES), (torch.ops.gspo_kernels.logits_grad_, OP_ARG_NAMES),
-                (torch.ops.gspo_kernels.token_stats, STATS_OP_ARG_NAMES)]
+                (torch.ops.gspo_kernels.token_stats, STATS_OP_ARG_NAMES),
+                # native_backend.sampled_token_stats passes StatsInputs' op_args less kept_min
+                (torch.ops.gspo_kernels.sampled_token_stats, (*STATS_OP_ARG_NAMES[:-1], "top_k", "top_p", "min_p"))]
     if backends.triton_backend is not None:
         ops += [(torch.ops.gspo_kernels.triton_logits_grad, OP_ARG_NAMES),
                 (torch.ops.gspo_kernels.triton_logits_grad_, OP_ARG_NAMES),
@@ -100,7 +102,8 @@ def test_stats_inputs_op_args_follow_the_names():
 def test_the_stats_and_selection_schemas_take_the_map_by_its_names():
     ops = []
     if backends.native_available():
-        ops += [torch.ops.gspo_kernels.token_stats, torch.ops.gspo_kernels.kept_thresholds]
+        ops += [torch.ops.gspo_kernels.token_stats, torch.ops.gspo_kernels.kept_thresholds,
+                torch.ops.gspo_kernels.sampled_token_stats]
     if backends.triton_backend is not None:
         ops += [torch.ops.gspo_kernels.triton_token_stats, torch.ops.gspo_kernels.triton_kept_thresholds]
     if backends.triton_tiles is not None:

@@ -1,5 +1,6 @@
-"""The compiled ops gspo_kernels::{token_stats, logits_grad, logits_grad_, kept_thresholds}: opcheck (schema,
-fake tensors, autograd registration, AOT dispatch), argument checks, and the build itself."""
+"""The compiled ops gspo_kernels::{token_stats, logits_grad, logits_grad_, kept_thresholds,
+sampled_token_stats}: opcheck (schema, fake tensors, autograd registration, AOT dispatch), argument
+checks, and the build itself."""
 
 import os
 import pathlib
@@ -60,6 +61,18 @@ def test_opcheck_kept_thresholds(dtype, strided):
     logits, _ = _inputs("cpu", dtype, strided=strided)
     for filters in ((5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (7, 0.9, 0.05)):
         torch.library.opcheck(torch.ops.gspo_kernels.kept_thresholds.default, (logits, 0.9, 0.0, *filters))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_opcheck_sampled_token_stats(dtype, strided):
+    logits, targets = _inputs("cpu", dtype, strided=strided)
+    for filters in ((5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (7, 0.9, 0.05)):
+        torch.library.opcheck(torch.ops.gspo_kernels.sampled_token_stats.default, (logits, targets, 0.9, 0.0, *filters))
+    with pytest.raises(RuntimeError, match="top_p must be > 0"):
+        torch.ops.gspo_kernels.sampled_token_stats(logits, targets, 1.0, 0.0, 0, 0.0, 0.0)
+    with pytest.raises(RuntimeError, match="targets must be"):
+        torch.ops.gspo_kernels.sampled_token_stats(logits, targets.int(), 1.0, 0.0, 5, 1.0, 0.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
