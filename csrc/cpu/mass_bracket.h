@@ -35,6 +35,7 @@ struct BracketScratch {
 };
 
 constexpr int64_t kBracketSize = 256;  // candidates left when the search stops
+constexpr int64_t kBracketMost = 4096;  // candidates the finish takes when ties stop the search
 constexpr int64_t kPivotSample = 128;  // sampled candidates a round
 constexpr int kBracketRounds = 8;
 
@@ -148,7 +149,7 @@ inline PivotPass pivot_pass(const float* c, int64_t n, Pivots p, float* between)
 
 // The range of positive masses holding top-p's cut among e[0:n] (the mass at or above the cut
 // reaches target, the mass above it does not; total is all of e's), with at most kBracketSize
-// masses in it; false when the rounds run out first (long runs of equal masses).
+// masses in it, or kBracketMost where ties stop the rounds; false past that (a flat row).
 inline bool mass_bracket(const float* e, int64_t n, double total, double target, BracketScratch& w, MassRange& out) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   MassRange r{std::numeric_limits<float>::denorm_min(), kInf, 0.0, total};
@@ -170,13 +171,15 @@ inline bool mass_bracket(const float* e, int64_t n, double total, double target,
     if (next.lo != p.low || next.hi != p.high) {  // the cut is not between the pivots: pack the side that holds it
       kept = compress_in_range(c, c, nullptr, n, {next.lo, next.hi, next.hi == kInf}, dst.data(), nullptr);
     }
-    // No progress (a run of one mass), or none left (the float32 sums a rounding off).
-    if (kept == 0 || kept == n || !(next.lo < next.hi)) return false;
+    if (kept == 0 || !(next.lo < next.hi)) return false;  // none left: the float32 sums a rounding off
+    // No progress: the candidates are runs of a few masses (ties of 16-bit logits), which no
+    // pivot splits; the range as it is goes to the finish if it is not too long.
+    if (kept == n) break;
     c = dst.data();
     n = kept;
     r = next;
   }
-  if (n > kBracketSize) return false;
+  if (n > kBracketMost) return false;
   out = r;
   return true;
 }
