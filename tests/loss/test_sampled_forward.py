@@ -3,8 +3,9 @@
 kept_thresholds then token_stats: the same thresholds to the bit, so the same kept sets; the same
 stats to the bit on every row that keeps every token (the plain path) and within float32 sums'
 rounding elsewhere (top-p's stats there are the selection's own float64 sums); the same NaN and
--inf entries. The rows are those that send top-p's search on the masses to its search on the
-logits (runs of one value, a flat row) as well as those it settles (spread and peaked rows)."""
+-inf entries. The rows are those whose ties stop top-p's search on the masses (runs of a few
+values: the finish takes the tied bracket) or send it to the search on the logits (a flat row)
+as well as those it settles (spread and peaked rows)."""
 
 import math
 
