@@ -280,35 +280,45 @@ SoftmaxStats mapped_row_stats(const scalar_t* row, int64_t vocab, const LogitMap
 // soft-capped row's far tail made denormal products (p times a saturated tanh's slope), each
 // ~100x an ordinary operation on x86; the soft-capped gradient took 2.1x longer for it
 // (N = 4096, V = 32768, bf16, a 2-core AMX Xeon). No value above 1.2e-38 changes.
+// `on` false: nothing set, nothing restored.
 class FlushDenormals {
  public:
 #if defined(__SSE__) || defined(__x86_64__)
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~FlushDenormals() { _mm_setcsr(saved_); }
+  explicit FlushDenormals(bool on = true) : on_(on), saved_(on ? _mm_getcsr() : 0u) {
+    if (on_) _mm_setcsr(saved_ | 0x8040u);
+  }
+  ~FlushDenormals() {
+    if (on_) _mm_setcsr(saved_);
+  }
 
  private:
+  bool on_;
   unsigned saved_;
+#else
+  explicit FlushDenormals(bool = true) {}
 #endif
 };
 
 int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(vocab, 1)); }
 
 // Stage 1 over the rows. kept_of_rows() gives each thread a callable (row, row pointer) ->
-// KeptRow: the row's kept set, and its stats when the selection summed them (the sampled op);
-// the others' stats come from this file's loops.
-template <typename scalar_t, typename KeptOfRows>
+// KeptRow: the row's kept set, and its stats when the selection summed them (the sampled op,
+// kSelects); the others' stats come from this file's loops.
+template <typename scalar_t, bool kSelects, typename KeptOfRows>
 void token_stats_rows(const at::Tensor& logits, const RowLayout& layout, const int64_t* targets, const LogitMap& map,
                       KeptOfRows&& kept_of_rows, float* logp, float* entropy, float* lse) {
   const scalar_t* base = logits.const_data_ptr<scalar_t>();
   constexpr float kAll = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, layout.rows, grain_rows(layout.vocab), [&](int64_t begin, int64_t end) {
+    // A selection reads denormal logits as they are (a denormal beside a zero is a distinct token
+    // to top-k), so with one the flush is set per row, after it; without, once for all the rows
+    // (per row it cost 3-6% at V = 64 to 256, one thread, AVX-512 Xeon).
+    const FlushDenormals rows_flush(!kSelects);
     auto kept_of = kept_of_rows();
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* row_ptr = base + layout.offset(row);
-      // The selection reads denormal logits as they are (a denormal beside a zero is a distinct
-      // token to top-k): it runs before the flush below.
       const KeptRow k = kept_of(row, row_ptr);
-      const FlushDenormals flush;
+      const FlushDenormals row_flush(kSelects);
       const float kept = k.threshold;
       // A row that keeps every token (kept = -inf) takes the plain path: bitwise the plain result.
       const SoftmaxStats st = k.summed        ? k.stats
@@ -346,8 +356,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_stats(const at::Tensor& log
     };
   };
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::token_stats", [&] {
-    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map, given, logp.data_ptr<float>(),
-                               entropy.data_ptr<float>(), lse.data_ptr<float>());
+    token_stats_rows<scalar_t, false>(logits, layout, targets.const_data_ptr<int64_t>(), map, given,
+                                      logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
   });
   return {logp, entropy, lse};
 }
@@ -373,15 +383,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sampled_token_stats(
   const int64_t vocab = layout.vocab;
   GSPO_DISPATCH_LOGITS(logits.scalar_type(), "gspo_kernels::sampled_token_stats", [&] {
     auto selecting = [&] {
-      return [select = std::make_shared<KeptSelector>(map, filter, true), thresholds, vocab](int64_t row,
-                                                                                             const scalar_t* ptr) {
+      return [select = std::make_unique<KeptSelector>(map, filter, true), thresholds, vocab](int64_t row,
+                                                                                              const scalar_t* ptr) {
         const KeptRow k = (*select)(ptr, vocab);
         thresholds[row] = k.threshold;
         return k;
       };
     };
-    token_stats_rows<scalar_t>(logits, layout, targets.const_data_ptr<int64_t>(), map, selecting,
-                               logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
+    token_stats_rows<scalar_t, true>(logits, layout, targets.const_data_ptr<int64_t>(), map, selecting,
+                                     logp.data_ptr<float>(), entropy.data_ptr<float>(), lse.data_ptr<float>());
   });
   return {logp, entropy, lse, kept_min};
 }

@@ -17,9 +17,9 @@ except ImportError as exc:  # not built: the Triton and torch backends still wor
 
 # The ops the package calls: an extension built from older sources lacks some, and is refused
 # whole (with the reason) rather than failing at a first call.
-OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "sampled_token_stats", "segment_sum", "segment_expand", "kept_group",
-       "kept_dots", "kept_hidden_grad", "kept_weight_grad", "kept_target_positions", "kept_softmax_stats",
-       "kept_softmax_grad")
+OPS = ("token_stats", "logits_grad", "logits_grad_", "kept_thresholds", "sampled_token_stats", "segment_sum",
+       "segment_expand", "kept_group", "kept_dots", "kept_hidden_grad", "kept_weight_grad", "kept_target_positions",
+       "kept_softmax_stats", "kept_softmax_grad")
 if _C is not None:
     _missing = [op for op in OPS if not hasattr(torch.ops.gspo_kernels, op)]
     if _missing:
