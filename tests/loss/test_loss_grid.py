@@ -12,6 +12,7 @@ from conftest import BACKENDS, device_for
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+@pytest.mark.triton_pairwise
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
 @pytest.mark.parametrize("level", LEVELS)

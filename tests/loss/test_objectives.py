@@ -33,6 +33,7 @@ def _problem(backend, seed, packed, dtype=torch.float32, **kw):
     return problem.to_packed() if packed else problem
 
 
+@pytest.mark.triton_pairwise
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
