@@ -10,6 +10,8 @@
 # Python comes from pyenv (~/.pyenv/versions/<version>*) or python<version> on PATH. The venvs
 # live in $GSPO_MATRIX_DIR (default /tmp/gspo-matrix) and are reused when their torch is right.
 # A line `[matrix] PASS py<version> torch <version> triton <version>` ends a passing run.
+# GSPO_MATRIX_PREPARE_ONLY=1 stops after the venv's installs (.ci/run prepares its row that way
+# beside the main set-up: they wait on the disk more than on the cores).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,6 +48,10 @@ fi
 # newest numpy pip finds for this Python, unless GSPO_MATRIX_NUMPY says otherwise (a spec).
 "$PY" -m pip install -q --disable-pip-version-check setuptools wheel ninja pybind11 "${GSPO_MATRIX_NUMPY:-numpy}" \
     "pytest>=8" "hypothesis>=6.100" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+if [ "${GSPO_MATRIX_PREPARE_ONLY:-0}" = "1" ]; then
+    echo "[matrix] prepared $VENV" >&2
+    exit 0
+fi
 
 # This checkout's files (committed or not, not ignored) in a folder of their own: the build and
 # the tests never touch the checkout.

@@ -10,7 +10,9 @@
 # and the copy's Python files are refreshed from the checkout on every run. $GSPO_AREAL_EXTENSION,
 # when set, is an extension already built from these sources against the same torch spec
 # (./scripts/test.sh passes the main environment's): copied in on every run in place of a build
-# of the CPU part (2-3 min on 2 cores).
+# of the CPU part (2-3 min on 2 cores). GSPO_AREAL_PREPARE_ONLY=1 installs the environment for
+# such an extension, to come (none is copied or built), and runs no test: .ci/run does so beside
+# the main set-up, and a later run waits for it (a lock on the venv) and finds it up to date.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,7 +22,11 @@ TORCH_SPEC="${GSPO_TORCH_SPEC:-torch==2.14.1}"
 AREAL_SPEC="areal==1.0.4"
 SRC="$VENV/src"
 PY="$VENV/bin/python"
+PREPARE_ONLY="${GSPO_AREAL_PREPARE_ONLY:-0}"
 
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
 if [ ! -x "$PY" ]; then
     echo "[areal] creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
@@ -31,7 +37,8 @@ mkdir -p "$SRC"
 find "$SRC" -type f ! -name '*.so' ! -path "$SRC/build/*" ! -path '*.egg-info/*' -delete
 (cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 tar cf -) | (cd "$SRC" && tar xf -)
 PREBUILT="${GSPO_AREAL_EXTENSION:-}"
-if [ -n "$PREBUILT" ]; then
+[ "$PREPARE_ONLY" != "1" ] || PREBUILT="(to come)"
+if [ -n "$PREBUILT" ] && [ "$PREPARE_ONLY" != "1" ]; then
     rm -f "$SRC"/gspo_kernels/backends/_C*.so
     cp "$PREBUILT" "$SRC/gspo_kernels/backends/"
 fi
@@ -45,6 +52,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import gspo_k
 else
     what="the extension's CPU part"
     [ -z "$PREBUILT" ] || what="the extension from $PREBUILT"
+    [ "$PREPARE_ONLY" != "1" ] || what="for an extension to come"
     echo "[areal] installing $TORCH_SPEC, gspo_kernels[areal] ($what) and $AREAL_SPEC" >&2
     pip_install() {  # pip's exit status kept; the local index's "Location ... is ignored" lines dropped
         # --no-compile: no bytecode for every file of torch (about 20 s); modules compile as imported.
@@ -59,6 +67,11 @@ else
     pip_install --no-deps "$AREAL_SPEC"
     echo "$WANT" > "$STAMP"
 fi
+if [ "$PREPARE_ONLY" = "1" ]; then
+    echo "[areal] prepared $VENV for a prebuilt extension" >&2
+    exit 0
+fi
+flock -u 9
 
 cd "$SRC"
 # This environment's extension is the CPU part or the main one: CI's demand for the CUDA kernels is
