@@ -8,7 +8,9 @@
 // by an exact SIMD pass (kth_largest); top-p by a search on the masses alone (mass_bracket.h)
 // settled on the logits of the bracket it finds (top_p_from_bracket), or, when that bracket is
 // not a range of logits too, by the search on the logits (top_p_bound). The selections
-// themselves are radix selects with no branch per element (row_select.h). A first version, a
+// themselves are radix selects with no branch per element, or for ranks below 64 a pass by max
+// per rank (row_select.h). Min-p alone without a soft-cap, and top-k alone, read the row itself
+// (min_p_alone, top_k_alone); the others a float32 copy of it. A first version, a
 // 12/12/8-bit radix select of the whole row (a scalar scatter of every logit into bins), took
 // 353 ms for top-k at N = 4096, V = 32768 bf16 against 79 ms for the plain forward kernel (2-core
 // AVX-512 + AMX Xeon). The search on the masses took top-p 0.9 from 65-73 to 40-42 us a row on
@@ -449,10 +451,150 @@ bool top_p_from_bracket(RowScratch& w, int64_t n, const MassRange& range, double
   return true;
 }
 
+// Each float32 SIMD vector of row[0 : n - n % (2 Vec::size())] handed to f, in order (16-bit
+// logits widened two vectors at a time); returns where the scalar tail starts.
+template <typename scalar_t, typename F>
+GSPO_HOT_LOOP int64_t for_each_vec(const scalar_t* row, int64_t n, F&& f) {
+  constexpr int64_t kW = 2 * Vec::size();
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    prefetch_ahead(row + i);
+    Vec a, b;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      a = Vec::loadu(row + i);
+      b = Vec::loadu(row + i + Vec::size());
+    } else {
+      load_pair(row + i, a, b);
+    }
+    f(a);
+    f(b);
+  }
+  return i;
+}
+
+// The row's max, NaN if any logit is NaN.
+template <typename scalar_t>
+float row_max(const scalar_t* row, int64_t vocab) {
+  Vec vmax(-kInf);
+  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) { vmax = at::vec::maximum(vmax, v); });
+  float m = max_lanes(vmax);
+  for (; i < vocab; ++i) {
+    const float x = static_cast<float>(row[i]);
+    m = (x > m || x != x) ? x : m;
+  }
+  return m;
+}
+
+// Whether a row has no finite softmax (a NaN, or +inf without a soft-cap: its results stay NaN)
+// or holds only -inf: such a row keeps every token.
+inline bool keeps_all(float x_max, const LogitMap& map) {
+  return x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf;
+}
+
+// The threshold of a kept set given by `kept` (a functor of a SIMD vector and of one logit, an
+// upper set of the logits): halfway between the smallest kept logit and the largest dropped one,
+// or -inf when none is dropped (the kernels' plain path, bitwise). One pass; the row holds no NaN.
+template <typename scalar_t, typename Kept>
+GSPO_HOT_LOOP KeptRow margin_pass(const scalar_t* row, int64_t vocab, const Kept& kept) {
+  const Vec inf(kInf), ninf(-kInf), one(1.f), zero(0.f);
+  Vec small(kInf), big(-kInf), dropped_v(0.f);
+  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) {
+    const Vec in = kept(v);
+    // Plain min and max: the row holds no NaN here.
+    small = at::vec::clamp_max(small, Vec::blendv(inf, v, in));
+    big = at::vec::clamp_min(big, Vec::blendv(v, ninf, in));
+    dropped_v = dropped_v + Vec::blendv(one, zero, in);
+  });
+  float smallest = min_lanes(small), largest_out = max_lanes(big);
+  bool dropped = sum_lanes(dropped_v) > 0.f;
+  for (; i < vocab; ++i) {
+    const float x = static_cast<float>(row[i]);
+    if (kept(x)) {
+      smallest = std::min(smallest, x);
+    } else {
+      dropped = true;
+      largest_out = std::max(largest_out, x);
+    }
+  }
+  if (!dropped) return KeptRow{-kInf, false, {}};
+  return KeptRow{margin_between(smallest, largest_out), false, {}};
+}
+
+// The kept sets' tests in margin_pass: the raw logit at least a bound, or z = x * scale at least
+// a bound on z (monotone in x: an upper set of the logits too).
+struct AtLeast {
+  float lower;
+  Vec operator()(const Vec& v) const { return v >= Vec(lower); }
+  bool operator()(float x) const { return x >= lower; }
+};
+struct ScaledAtLeast {
+  float scale, z_min;
+  Vec operator()(const Vec& v) const { return v * Vec(scale) >= Vec(z_min); }
+  bool operator()(float x) const { return x * scale >= z_min; }
+};
+
+// The filters alone on the row itself, with no float32 copy of it: its max, then one pass (from
+// L2) for min-p without a soft-cap (z >= max z + log(min_p), the general path's float32 compare)
+// and two for top-k (the candidates above a bound guessed from a strided sample, packed; then,
+// when no dropped logit is among them, the margin pass). The general path copied the row to
+// float32 scratch and read it there; min-p also mapped it into a second copy: min-p 0.1 at
+// N = 4096, V = 32768 bf16 took 42-47 ms on two threads, top-k 50 about 60 (AVX-512 Xeon without
+// BF16). Same thresholds, bit for bit.
+template <typename scalar_t>
+KeptRow min_p_alone(const scalar_t* row, int64_t vocab, const LogitMap& map, double min_p) {
+  const float x_max = row_max(row, vocab);
+  if (keeps_all(x_max, map)) return KeptRow{-kInf, false, {}};
+  return margin_pass(row, vocab, ScaledAtLeast{map.scale, map(x_max) + static_cast<float>(std::log(min_p))});
+}
+
+// The logits of the row at or above `lower`, widened to float32, into w.near.x; how many.
+template <typename scalar_t>
+int64_t gather_at_least(const scalar_t* row, int64_t vocab, float lower, Candidates& near) {
+  const size_t room = static_cast<size_t>(vocab + 2 * Vec::size());
+  if (near.x.size() < room) near.x.resize(room);
+  float* out_x = near.x.data();
+  int64_t out = 0;
+  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) { compress_at_least(v, lower, out_x, out); });
+  for (; i < vocab; ++i) {
+    const float x = static_cast<float>(row[i]);
+    out_x[out] = x;
+    out += x >= lower;
+  }
+  return out;
+}
+
+template <typename scalar_t>
+KeptRow top_k_alone(const scalar_t* row, int64_t vocab, const LogitMap& map, int64_t k, RowScratch& w) {
+  const float x_max = row_max(row, vocab);
+  if (keeps_all(x_max, map)) return KeptRow{-kInf, false, {}};
+  // kth_largest's guess and selection, on the row.
+  const int64_t stride = std::max<int64_t>(1, vocab / kSample);
+  w.sample.clear();
+  for (int64_t i = 0; i < vocab; i += stride) w.sample.push_back(static_cast<float>(row[i]));
+  const int64_t rank = k / stride + 8;
+  float bound = -kInf;
+  if (rank < static_cast<int64_t>(w.sample.size())) {
+    bound = nth_largest(w.sample.data(), static_cast<int64_t>(w.sample.size()), rank);
+  }
+  int64_t found = gather_at_least(row, vocab, bound, w.near);
+  if (found < k) found = gather_at_least(row, vocab, -kInf, w.near);  // the guess was high
+  if (found < k) return KeptRow{-kInf, false, {}};  // fewer than k logits: every one kept
+  const float* near = w.near.x.data();
+  w.sample.assign(near, near + found);  // nth_largest reorders its input
+  const float value = nth_largest(w.sample.data(), found, k - 1);
+  float below = -kInf;
+  for (int64_t i = 0; i < found; ++i) below = near[i] < value ? std::max(below, near[i]) : below;
+  if (below > -kInf) return KeptRow{margin_between(value, below), false, {}};
+  return margin_pass(row, vocab, AtLeast{value});
+}
+
 template <typename scalar_t>
 KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, const SamplingFilter& s, bool with_stats,
                       RowScratch& w) {
   const auto only = [](float threshold) { return KeptRow{threshold, false, {}}; };
+  const bool top_k = s.top_k > 0 && s.top_k < vocab;
+  if (s.min_p > 0.0 && !top_k && s.top_p >= 1.0 && !map.capped()) return min_p_alone(row, vocab, map, s.min_p);
+  if (top_k && s.min_p <= 0.0 && s.top_p >= 1.0) return top_k_alone(row, vocab, map, s.top_k, w);
   w.x.resize(vocab);
   float* x = w.x.data();
   const float x_max = load_row(row, x, vocab);
@@ -484,31 +626,7 @@ KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, c
     }
     lower = std::max(lower, top_p_bound(w, vocab, lower, target));
   }
-  // The smallest kept logit, the largest dropped one, and whether any is dropped.
-  const Vec vlower(lower), inf(kInf), ninf(-kInf), one(1.f), zero(0.f);
-  Vec small(kInf), big(-kInf), dropped_v(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= vocab; i += Vec::size()) {
-    prefetch_ahead(x + i);
-    const Vec v = Vec::loadu(x + i);
-    const Vec kept = v >= vlower;
-    // Plain min and max: the row holds no NaN here.
-    small = at::vec::clamp_max(small, Vec::blendv(inf, v, kept));
-    big = at::vec::clamp_min(big, Vec::blendv(v, ninf, kept));
-    dropped_v = dropped_v + Vec::blendv(one, zero, kept);
-  }
-  float smallest = min_lanes(small), largest_out = max_lanes(big);
-  bool dropped = sum_lanes(dropped_v) > 0.f;
-  for (; i < vocab; ++i) {
-    if (x[i] >= lower) {
-      smallest = std::min(smallest, x[i]);
-    } else {
-      dropped = true;
-      largest_out = std::max(largest_out, x[i]);
-    }
-  }
-  if (!dropped) return only(-kInf);  // every token kept: the kernels' plain path, bitwise
-  return only(margin_between(smallest, largest_out));
+  return margin_pass(x, vocab, AtLeast{lower});
 }
 
 }  // namespace

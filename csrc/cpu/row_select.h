@@ -43,9 +43,53 @@ inline int64_t keep_bin(float* v, float* w, int64_t n, int shift, uint32_t bin) 
   return kept;
 }
 
+// Ranks below this take nth_largest_by_max: r + 1 SIMD passes cost less than the radix's
+// per-element count and keep loops there. Top-k 50 alone spent a third of its time in the radix
+// (a sample of 1024 at rank 9, then rank 49 of about 300 candidates; N = 4096, V = 32768 bf16,
+// one thread, AVX-512 Xeon without BF16).
+constexpr int64_t kByMaxRank = 64;
+
+// nth_largest for a small r, without reordering v: the largest value, then at each step the
+// count of values equal to it and the largest below it, in one pass. Equal keys are equal floats
+// but for -0 and +0: a zero answer is the first zero of v, as the radix's stable passes give.
+inline float nth_largest_by_max(const float* v, int64_t n, int64_t r) {
+  using V = at::vec::Vectorized<float>;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t n_vec = n - n % V::size();
+  V vmax(-kInf);
+  for (int64_t i = 0; i < n_vec; i += V::size()) vmax = at::vec::clamp_min(vmax, V::loadu(v + i));
+  float m = max_lanes(vmax);
+  for (int64_t i = n_vec; i < n; ++i) m = std::max(m, v[i]);
+  for (;;) {
+    const V vm(m), one(1.f), zero(0.f), ninf(-kInf);
+    V count(0.f), next(-kInf);
+    for (int64_t i = 0; i < n_vec; i += V::size()) {
+      const V x = V::loadu(v + i);
+      count = count + V::blendv(zero, one, x == vm);
+      next = at::vec::clamp_min(next, V::blendv(ninf, x, x < vm));
+    }
+    int64_t equal = static_cast<int64_t>(sum_lanes(count));
+    float below = max_lanes(next);
+    for (int64_t i = n_vec; i < n; ++i) {
+      equal += v[i] == m;
+      if (v[i] < m) below = std::max(below, v[i]);
+    }
+    if (r < equal || equal == 0) break;  // equal is 0 only past the last value (r >= n)
+    r -= equal;
+    m = below;
+  }
+  if (m == 0.f) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (v[i] == 0.f) return v[i];
+    }
+  }
+  return m;
+}
+
 // The r-th largest of v[0:n] (r = 0: the largest; r < n), as std::nth_element with
-// std::greater would place at r. Reorders v (keeps a subset of it in front).
+// std::greater would place at r. Reorders v (keeps a subset of it in front) unless r is small.
 inline float nth_largest(float* v, int64_t n, int64_t r) {
+  if (r < kByMaxRank) return nth_largest_by_max(v, n, r);
   for (int shift = 24; shift >= 0 && n > 1; shift -= 8) {
     // Four count tables, so that runs of values in one bin (most values of a row share their
     // exponent) do not wait on each other's increments.
@@ -186,6 +230,33 @@ struct LeftPack {
     }
   }
 };
+
+// The lanes of v at or above lo (NaN lanes fail), in order, stored at xo + out (a whole vector:
+// xo needs Vec::size() floats of slack past the count); out advances by their number.
+inline void compress_at_least(const at::vec::Vectorized<float>& v, float lo, float* xo, int64_t& out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = v;
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ);
+  if (keep == 0) return;
+  _mm512_storeu_ps(xo + out, _mm512_maskz_compress_ps(keep, x));
+  out += __builtin_popcount(keep);
+#elif defined(CPU_CAPABILITY_AVX2)
+  static const LeftPack pack;
+  const __m256 x = v;
+  const int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ));
+  if (mask == 0) return;
+  const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pack.lanes[mask]));
+  _mm256_storeu_ps(xo + out, _mm256_permutevar8x32_ps(x, order));
+  out += __builtin_popcount(mask);
+#else
+  float lanes[at::vec::Vectorized<float>::size()];
+  v.store(lanes);
+  for (float x : lanes) {
+    xo[out] = x;
+    out += x >= lo;
+  }
+#endif
+}
 
 // The entries of x (and e, when eo is given) whose key (from `key`: x itself or e) lies in
 // [lo, hi), or in [lo, +inf] when open_top, in order, into xo (and eo); returns how many.

@@ -1,5 +1,6 @@
-"""The cpu selection's radix select and compress (csrc/cpu/row_select.h) on the rows that can
-trip them: signed zeros across the boundary (two bit patterns, one value), rows whose logits share
+"""The cpu selection's radix select, its passes by max for ranks below 64, and compress
+(csrc/cpu/row_select.h) on the rows that can trip them (top-k 1, 3 and 37 select by max, 500 and
+2000 by radix): signed zeros across the boundary (two bit patterns, one value), rows whose logits share
 their top key bits (one exponent), long runs of one value, a vocab past the strided sample's 1024
 (the bound from the sample, then its candidates), and top-k whose last dropped logit lies outside
 the candidates. Each kept set is the float64 sampler's, and without a soft-cap the threshold is the
