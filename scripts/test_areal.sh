@@ -37,29 +37,30 @@ mkdir -p "$SRC"
 find "$SRC" -type f ! -name '*.so' ! -path "$SRC/build/*" ! -path '*.egg-info/*' -delete
 (cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 tar cf -) | (cd "$SRC" && tar xf -)
 PREBUILT="${GSPO_AREAL_EXTENSION:-}"
-[ "$PREPARE_ONLY" != "1" ] || PREBUILT="(to come)"
-if [ -n "$PREBUILT" ] && [ "$PREPARE_ONLY" != "1" ]; then
+if [ -n "$PREBUILT" ]; then
     rm -f "$SRC"/gspo_kernels/backends/_C*.so
     cp "$PREBUILT" "$SRC/gspo_kernels/backends/"
 fi
+# Whether the environment takes a prebuilt extension (given now, or to come after a preparation).
+TAKES_PREBUILT=""
+[ -z "$PREBUILT" ] && [ "$PREPARE_ONLY" != "1" ] || TAKES_PREBUILT=yes
 
 WANT="$({ cat "$SRC/pyproject.toml" "$SRC/setup.py"; echo "$TORCH_SPEC $AREAL_SPEC";
-          echo "prebuilt extension: ${PREBUILT:+yes}";
+          echo "prebuilt extension: $TAKES_PREBUILT";
           find "$SRC/csrc" -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1)"
 STAMP="$VENV/.gspo_kernels_areal"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import gspo_kernels, areal" 2>/dev/null; then
     echo "[areal] up to date ($VENV)" >&2
 else
     what="the extension's CPU part"
-    [ -z "$PREBUILT" ] || what="the extension from $PREBUILT"
-    [ "$PREPARE_ONLY" != "1" ] || what="for an extension to come"
+    [ -z "$TAKES_PREBUILT" ] || what="the extension from ${PREBUILT:-a later run}"
     echo "[areal] installing $TORCH_SPEC, gspo_kernels[areal] ($what) and $AREAL_SPEC" >&2
     pip_install() {  # pip's exit status kept; the local index's "Location ... is ignored" lines dropped
         # --no-compile: no bytecode for every file of torch (about 20 s); modules compile as imported.
         "$PY" -m pip install -q --disable-pip-version-check --no-compile "$@" 2> >(grep -v "^WARNING: Location" >&2)
     }
     pip_install "$TORCH_SPEC" wheel setuptools
-    if [ -n "$PREBUILT" ]; then
+    if [ -n "$TAKES_PREBUILT" ]; then
         GSPO_PREBUILT_EXTENSION=1 pip_install --no-build-isolation -e "$SRC[dev,areal]"
     else
         GSPO_SKIP_CUDA_BUILD=1 MAX_JOBS="${MAX_JOBS:-2}" pip_install --no-build-isolation -e "$SRC[dev,areal]"

@@ -71,6 +71,46 @@ float load_row(const scalar_t* row, float* x, int64_t n) {
   return m;
 }
 
+// Each float32 SIMD vector of row[0 : n - n % (2 Vec::size())] handed to f, in order (16-bit
+// logits widened two vectors at a time); returns where the scalar tail starts.
+template <typename scalar_t, typename F>
+GSPO_HOT_LOOP int64_t for_each_vec(const scalar_t* row, int64_t n, F&& f) {
+  constexpr int64_t kW = 2 * Vec::size();
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    prefetch_ahead(row + i);
+    Vec a, b;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      a = Vec::loadu(row + i);
+      b = Vec::loadu(row + i + Vec::size());
+    } else {
+      load_pair(row + i, a, b);
+    }
+    f(a);
+    f(b);
+  }
+  return i;
+}
+
+// The row's max, NaN if any logit is NaN.
+template <typename scalar_t>
+float row_max(const scalar_t* row, int64_t vocab) {
+  Vec vmax(-kInf);
+  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) { vmax = at::vec::maximum(vmax, v); });
+  float m = max_lanes(vmax);
+  for (; i < vocab; ++i) {
+    const float x = static_cast<float>(row[i]);
+    m = (x > m || x != x) ? x : m;
+  }
+  return m;
+}
+
+// Whether a row has no finite softmax (a NaN, or +inf without a soft-cap: its results stay NaN)
+// or holds only -inf: such a row keeps every token.
+inline bool keeps_all(float x_max, const LogitMap& map) {
+  return x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf;
+}
+
 // z = map(x) of one SIMD vector and of one logit: the same float32 operations as the
 // reference's map (x * scale, then tanh and * cap), tanh at::vec's.
 inline Vec map_reference(const Vec& x, const LogitMap& map) {
@@ -177,6 +217,22 @@ struct RowScratch {
   BracketScratch bracket;
 };
 
+// The logits of the row at or above `lower`, widened to float32, into near.x; how many.
+template <typename scalar_t>
+int64_t gather_at_least(const scalar_t* row, int64_t vocab, float lower, Candidates& near) {
+  const size_t room = static_cast<size_t>(vocab + 2 * Vec::size());
+  if (near.x.size() < room) near.x.resize(room);
+  float* out_x = near.x.data();
+  int64_t out = 0;
+  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) { compress_at_least(v, lower, out_x, out); });
+  for (; i < vocab; ++i) {
+    const float x = static_cast<float>(row[i]);
+    out_x[out] = x;
+    out += x >= lower;
+  }
+  return out;
+}
+
 // Top-k's cut: the k-th largest logit among x >= lower (`value`; lower itself when fewer than k
 // are, all staying kept), and the largest logit below it when the candidates hold one
 // (`below`, -inf when they do not): every logit outside them lies under all of them, so it is
@@ -185,21 +241,22 @@ struct TopK {
   float value, below;
 };
 
-TopK kth_largest(RowScratch& w, int64_t n, float lower, int64_t k) {
-  const float* x = w.x.data();
+template <typename scalar_t>
+TopK kth_largest(const scalar_t* row, int64_t n, float lower, int64_t k, RowScratch& w) {
   // Guess a bound above which a little more than k logits lie, from a strided sample.
   const int64_t stride = std::max<int64_t>(1, n / kSample);
   w.sample.clear();
   for (int64_t i = 0; i < n; i += stride) {
-    if (x[i] >= lower) w.sample.push_back(x[i]);
+    const float x = static_cast<float>(row[i]);
+    if (x >= lower) w.sample.push_back(x);
   }
   const int64_t rank = k / stride + 8;  // ~8 strides of logits to spare
   float bound = lower;
   if (rank < static_cast<int64_t>(w.sample.size())) {
     bound = std::max(lower, nth_largest(w.sample.data(), static_cast<int64_t>(w.sample.size()), rank));
   }
-  int64_t found = w.near.gather(x, x, nullptr, n, {bound, 0.f, true}, false);
-  if (found < k) found = w.near.gather(x, x, nullptr, n, {lower, 0.f, true}, false);  // the guess was high
+  int64_t found = gather_at_least(row, n, bound, w.near);
+  if (found < k) found = gather_at_least(row, n, lower, w.near);  // the guess was high
   if (found < k) return {lower, -kInf};
   const float* near = w.near.x.data();
   w.sample.assign(near, near + found);  // nth_largest reorders its input
@@ -451,46 +508,6 @@ bool top_p_from_bracket(RowScratch& w, int64_t n, const MassRange& range, double
   return true;
 }
 
-// Each float32 SIMD vector of row[0 : n - n % (2 Vec::size())] handed to f, in order (16-bit
-// logits widened two vectors at a time); returns where the scalar tail starts.
-template <typename scalar_t, typename F>
-GSPO_HOT_LOOP int64_t for_each_vec(const scalar_t* row, int64_t n, F&& f) {
-  constexpr int64_t kW = 2 * Vec::size();
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    prefetch_ahead(row + i);
-    Vec a, b;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      a = Vec::loadu(row + i);
-      b = Vec::loadu(row + i + Vec::size());
-    } else {
-      load_pair(row + i, a, b);
-    }
-    f(a);
-    f(b);
-  }
-  return i;
-}
-
-// The row's max, NaN if any logit is NaN.
-template <typename scalar_t>
-float row_max(const scalar_t* row, int64_t vocab) {
-  Vec vmax(-kInf);
-  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) { vmax = at::vec::maximum(vmax, v); });
-  float m = max_lanes(vmax);
-  for (; i < vocab; ++i) {
-    const float x = static_cast<float>(row[i]);
-    m = (x > m || x != x) ? x : m;
-  }
-  return m;
-}
-
-// Whether a row has no finite softmax (a NaN, or +inf without a soft-cap: its results stay NaN)
-// or holds only -inf: such a row keeps every token.
-inline bool keeps_all(float x_max, const LogitMap& map) {
-  return x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf;
-}
-
 // The threshold of a kept set given by `kept` (a functor of a SIMD vector and of one logit, an
 // upper set of the logits): halfway between the smallest kept logit and the largest dropped one,
 // or -inf when none is dropped (the kernels' plain path, bitwise). One pass; the row holds no NaN.
@@ -547,45 +564,13 @@ KeptRow min_p_alone(const scalar_t* row, int64_t vocab, const LogitMap& map, dou
   return margin_pass(row, vocab, ScaledAtLeast{map.scale, map(x_max) + static_cast<float>(std::log(min_p))});
 }
 
-// The logits of the row at or above `lower`, widened to float32, into w.near.x; how many.
-template <typename scalar_t>
-int64_t gather_at_least(const scalar_t* row, int64_t vocab, float lower, Candidates& near) {
-  const size_t room = static_cast<size_t>(vocab + 2 * Vec::size());
-  if (near.x.size() < room) near.x.resize(room);
-  float* out_x = near.x.data();
-  int64_t out = 0;
-  int64_t i = for_each_vec(row, vocab, [&](const Vec& v) { compress_at_least(v, lower, out_x, out); });
-  for (; i < vocab; ++i) {
-    const float x = static_cast<float>(row[i]);
-    out_x[out] = x;
-    out += x >= lower;
-  }
-  return out;
-}
-
 template <typename scalar_t>
 KeptRow top_k_alone(const scalar_t* row, int64_t vocab, const LogitMap& map, int64_t k, RowScratch& w) {
   const float x_max = row_max(row, vocab);
   if (keeps_all(x_max, map)) return KeptRow{-kInf, false, {}};
-  // kth_largest's guess and selection, on the row.
-  const int64_t stride = std::max<int64_t>(1, vocab / kSample);
-  w.sample.clear();
-  for (int64_t i = 0; i < vocab; i += stride) w.sample.push_back(static_cast<float>(row[i]));
-  const int64_t rank = k / stride + 8;
-  float bound = -kInf;
-  if (rank < static_cast<int64_t>(w.sample.size())) {
-    bound = nth_largest(w.sample.data(), static_cast<int64_t>(w.sample.size()), rank);
-  }
-  int64_t found = gather_at_least(row, vocab, bound, w.near);
-  if (found < k) found = gather_at_least(row, vocab, -kInf, w.near);  // the guess was high
-  if (found < k) return KeptRow{-kInf, false, {}};  // fewer than k logits: every one kept
-  const float* near = w.near.x.data();
-  w.sample.assign(near, near + found);  // nth_largest reorders its input
-  const float value = nth_largest(w.sample.data(), found, k - 1);
-  float below = -kInf;
-  for (int64_t i = 0; i < found; ++i) below = near[i] < value ? std::max(below, near[i]) : below;
-  if (below > -kInf) return KeptRow{margin_between(value, below), false, {}};
-  return margin_pass(row, vocab, AtLeast{value});
+  const TopK cut = kth_largest(row, vocab, -kInf, k, w);
+  if (cut.below > -kInf) return KeptRow{margin_between(cut.value, cut.below), false, {}};
+  return margin_pass(row, vocab, AtLeast{cut.value});  // -inf when fewer than k logits: every one kept
 }
 
 template <typename scalar_t>
@@ -600,7 +585,7 @@ KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, c
   const float x_max = load_row(row, x, vocab);
   // A NaN, or +inf without a soft-cap: the row has no finite softmax and keeps every token, so
   // its results stay NaN (a soft-capped +inf is a finite z). An all -inf row keeps every token.
-  if (x_max != x_max || (x_max == kInf && !map.capped()) || x_max == -kInf) return only(-kInf);
+  if (keeps_all(x_max, map)) return only(-kInf);
   const float z_max = map(x_max);
   if (s.min_p > 0.0 || s.top_p < 1.0) w.e.resize(vocab);
   float lower = -kInf;  // the kept set so far: {x >= lower}
@@ -609,7 +594,7 @@ KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, c
     lower = smallest_reaching(x, w.e.data(), vocab, z_max + static_cast<float>(std::log(s.min_p)));
   }
   if (s.top_k > 0 && s.top_k < vocab) {  // the k-th largest kept logit, ties with it kept
-    const TopK cut = kth_largest(w, vocab, lower, s.top_k);
+    const TopK cut = kth_largest(x, vocab, lower, s.top_k, w);
     lower = cut.value;
     // The last filter, with a dropped logit among its candidates: the margin with no pass.
     if (s.top_p >= 1.0 && cut.below > -kInf) return only(margin_between(cut.value, cut.below));
