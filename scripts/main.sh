@@ -9,8 +9,9 @@
 # a round, so that the machine's drift lands on every contender alike
 # (benchmarks/cpu/quick_vs_full.py compares the ratios with --full's); the float64 reference is
 # timed forward + backward only (not each pass alone), by one warmed call in the first round,
-# and Triton through its CPU interpreter checks 4 of the 12 fused-linear cases (each level,
-# dtype and layout; the tests run all 12), so that the job takes minutes on a 2-core CPU.
+# without its peak memory, and Triton through its CPU interpreter checks 4 of the 12 fused-linear
+# cases (each level, dtype and layout; the tests run all 12), so that the job takes minutes on a
+# 2-core CPU.
 #   ./scripts/main.sh [--full] [extra bench args, e.g. --plot results/bench.png]
 # --full: the bench's own repetitions (10, up to 20 s a measurement), every fused-linear mode,
 # the reference's single passes and the whole check.

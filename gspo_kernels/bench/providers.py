@@ -259,9 +259,9 @@ class Provider:
     # Modes the quick suite (the main job's default) leaves to the full one: the float64
     # oracle's forward and backward alone took about 2 minutes of a 2-core AVX2 CPU's main job.
     full_only_modes: tuple[str, ...] = ()
-    # Timed by one call after a warm-up, in the first round only, in the quick suite: the float64
-    # oracle, 10.7 s a warm call at the default CPU problem (2-core EPYC, AVX-512; its first call
-    # took 19.4 s), whose ratio needs no second digit.
+    # Timed by one call after a warm-up, in the first round only, and without its peak memory in
+    # the quick suite: the float64 oracle, 10.7 s a warm call at the default CPU problem (2-core
+    # EPYC, AVX-512; its first call took 19.4 s), whose ratio needs no second digit.
     quick_once: bool = False
 
 

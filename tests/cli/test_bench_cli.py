@@ -3,6 +3,7 @@
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -153,6 +154,32 @@ def test_quick_suite_times_the_variants_forward_and_backward_together():
         assert [steps_in(SuiteConfig(shapes=shape, providers=(name,), quick=quick, device="cpu"))
                 for quick in (True, False)] == [2, 4], name
     assert steps_in(SuiteConfig(shapes=shape, providers=("eager",), quick=True, device="cpu")) == 4
+
+
+def test_quick_suite_times_the_reference_once_without_its_memory_probe():
+    # The float64 oracle's memory probe (a process of its own, 24 s of the main job on a 2-core
+    # CPU) is the full suite's; the quick one times its fwd+bwd by one call and says so.
+    from gspo_kernels.bench.problem import Shape
+    from gspo_kernels.bench.runner import SuiteConfig, run_suite, steps_in, timing_note
+
+    class Steps:
+        def __init__(self):
+            self.labels = []
+
+        def step(self, label):
+            self.labels.append(label)
+
+    shape = (Shape.parse("1x8x16"),)
+    quick = SuiteConfig(shapes=shape, providers=("reference", "cpu"), quick=True, device="cpu", reps=2, rounds=2)
+    assert steps_in(SuiteConfig(shapes=shape, providers=("reference",), quick=False, device="cpu")) == 4
+    assert steps_in(replace(quick, providers=("reference",))) == 1
+    steps = Steps()
+    rows = {(r.provider, r.mode): r for r in run_suite(quick, steps).rows}
+    assert len(steps.labels) == steps_in(quick)
+    assert not any("reference" in label and "memory" in label for label in steps.labels)
+    assert rows["reference", "fwd+bwd"].status == "ok" and rows["reference", "fwd+bwd"].peak_mem_mib is None
+    assert rows["cpu", "fwd+bwd"].peak_mem_mib is not None
+    assert "reference: one call after a warm-up, in the first round only; peak memory without --quick" in timing_note(quick)
 
 
 @pytest.mark.parametrize("name", ["tx_scale", "tx_softcap", "tx_top_k", "tx_top_p", "tx_min_p"])
