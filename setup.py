@@ -103,7 +103,7 @@ def _extensions():
     capability = _cpu_capability()
     openmp = _openmp_flags(torch)
     cxx = ["-O3", "-DNDEBUG", f'-DGSPO_CPU_CAPABILITY_NAME="{capability.upper()}"'] + _CPU_FLAGS[capability] + openmp
-    sources = ["csrc/ops.cpp", "csrc/cpu/kernels.cpp", "csrc/cpu/kept_set.cpp", "csrc/cpu/kept_products.cpp", "csrc/cpu/kept_softmax.cpp", "csrc/cpu/segments.cpp",
+    sources = ["csrc/ops.cpp", "csrc/cpu/kernels.cpp", "csrc/cpu/kept_set.cpp", "csrc/cpu/top_p_cut.cpp", "csrc/cpu/kept_products.cpp", "csrc/cpu/kept_softmax.cpp", "csrc/cpu/segments.cpp",
                "csrc/cpu/accumulate.cpp"]
     nvcc_found = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
     with_cuda = not _truthy("GSPO_SKIP_CUDA_BUILD") and torch.version.cuda is not None and nvcc_found

@@ -1,6 +1,6 @@
 """The sampler's kept-set selection alone, on a CPU: the cpu backend's kernel
-(csrc/cpu/kept_set.cpp) against the PyTorch pre-pass (token_stats/kept_set.py), timed
-interleaved, beside the plain forward kernel the selection precedes.
+(csrc/cpu/kept_set.cpp, top_p_cut.cpp) against the PyTorch pre-pass (token_stats/kept_set.py),
+timed interleaved, beside the plain forward kernel the selection precedes.
 
     .venv/bin/python benchmarks/cpu/kept_set_selection.py [--rows 4096] [--vocab 32768] [--reps 3]
 """

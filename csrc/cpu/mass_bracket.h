@@ -1,6 +1,6 @@
 // Top-p's search on the masses alone: a narrow range [lo, hi) of masses e = exp(z - z_max) in
 // which the cut lies, found by passes over e only (one float32 array, not the logits beside it).
-// kept_set.cpp then settles the cut on the logits of that range, with float64 sums, and checks
+// top_p_cut.cpp then settles the cut on the logits of that range, with float64 sums, and checks
 // that the range is also a range of logits (e rises with x; the exp's rounding could break that
 // by an ulp, and the check then sends the row down the search on the logits).
 //

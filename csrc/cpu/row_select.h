@@ -1,6 +1,6 @@
 // Selection among a few hundred or thousand float32 values of a row, with no sort and no
-// comparison branch per element: the kept set's top-k and top-p (kept_set.cpp) pick their
-// bounds and thresholds with these.
+// comparison branch per element: the kept set's top-k and top-p (kept_set.cpp, top_p_cut.cpp)
+// pick their bounds and thresholds with these.
 //
 // A radix select over the order-preserving integer form of the values, 8 bits a level,
 // counting (or weighing) every value into 256 bins and keeping only the bin that holds the
