@@ -11,8 +11,8 @@
 // row itself (min_p_alone, top_k_alone); the others a float32 copy of it. A first version, a
 // 12/12/8-bit radix select of the whole row (a scalar scatter of every logit into bins), took
 // 353 ms for top-k at N = 4096, V = 32768 bf16 against 79 ms for the plain forward kernel (2-core
-// AVX-512 + AMX Xeon). Rows run in parallel; each thread holds a float32 copy of one row and its z or masses
-// (kept_row_scratch.h).
+// AVX-512 + AMX Xeon). Rows run in parallel; each thread holds a float32 copy of one row and its
+// z or masses (kept_row_scratch.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,6 +37,9 @@ namespace gspo::cpu {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A row's kept set given by its threshold alone (no softmax sums on the way).
+inline KeptRow threshold_only(float threshold) { return KeptRow{threshold, false, {}}; }
 
 // The row in float32 into x; returns its max (NaN if any logit is NaN).
 template <typename scalar_t>
@@ -207,8 +210,7 @@ GSPO_HOT_LOOP KeptRow margin_pass(const scalar_t* row, int64_t vocab, const Kept
       largest_out = std::max(largest_out, x);
     }
   }
-  if (!dropped) return KeptRow{-kInf, false, {}};
-  return KeptRow{margin_between(smallest, largest_out), false, {}};
+  return threshold_only(dropped ? margin_between(smallest, largest_out) : -kInf);
 }
 
 // The kept sets' tests in margin_pass: the raw logit at least a bound, or z = x * scale at least
@@ -234,23 +236,22 @@ struct ScaledAtLeast {
 template <typename scalar_t>
 KeptRow min_p_alone(const scalar_t* row, int64_t vocab, const LogitMap& map, double min_p) {
   const float x_max = row_max(row, vocab);
-  if (keeps_all(x_max, map)) return KeptRow{-kInf, false, {}};
+  if (keeps_all(x_max, map)) return threshold_only(-kInf);
   return margin_pass(row, vocab, ScaledAtLeast{map.scale, map(x_max) + static_cast<float>(std::log(min_p))});
 }
 
 template <typename scalar_t>
 KeptRow top_k_alone(const scalar_t* row, int64_t vocab, const LogitMap& map, int64_t k, RowScratch& w) {
   const float x_max = row_max(row, vocab);
-  if (keeps_all(x_max, map)) return KeptRow{-kInf, false, {}};
+  if (keeps_all(x_max, map)) return threshold_only(-kInf);
   const TopK cut = kth_largest(row, vocab, -kInf, k, w);
-  if (cut.below > -kInf) return KeptRow{margin_between(cut.value, cut.below), false, {}};
+  if (cut.below > -kInf) return threshold_only(margin_between(cut.value, cut.below));
   return margin_pass(row, vocab, AtLeast{cut.value});  // -inf when fewer than k logits: every one kept
 }
 
 template <typename scalar_t>
 KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, const SamplingFilter& s, bool with_stats,
                       RowScratch& w) {
-  const auto only = [](float threshold) { return KeptRow{threshold, false, {}}; };
   const bool top_k = s.top_k > 0 && s.top_k < vocab;
   if (s.min_p > 0.0 && !top_k && s.top_p >= 1.0 && !map.capped()) return min_p_alone(row, vocab, map, s.min_p);
   if (top_k && s.min_p <= 0.0 && s.top_p >= 1.0) return top_k_alone(row, vocab, map, s.top_k, w);
@@ -259,7 +260,7 @@ KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, c
   const float x_max = load_row(row, x, vocab);
   // A NaN, or +inf without a soft-cap: the row has no finite softmax and keeps every token, so
   // its results stay NaN (a soft-capped +inf is a finite z). An all -inf row keeps every token.
-  if (keeps_all(x_max, map)) return only(-kInf);
+  if (keeps_all(x_max, map)) return threshold_only(-kInf);
   const float z_max = map(x_max);
   if (s.min_p > 0.0 || s.top_p < 1.0) w.e.resize(vocab);
   float lower = -kInf;  // the kept set so far: {x >= lower}
@@ -267,11 +268,11 @@ KeptRow row_threshold(const scalar_t* row, int64_t vocab, const LogitMap& map, c
     map_row(x, w.e.data(), vocab, map);  // z; top-p turns it into masses below
     lower = smallest_reaching(x, w.e.data(), vocab, z_max + static_cast<float>(std::log(s.min_p)));
   }
-  if (s.top_k > 0 && s.top_k < vocab) {  // the k-th largest kept logit, ties with it kept
+  if (top_k) {  // the k-th largest kept logit, ties with it kept
     const TopK cut = kth_largest(x, vocab, lower, s.top_k, w);
     lower = cut.value;
     // The last filter, with a dropped logit among its candidates: the margin with no pass.
-    if (s.top_p >= 1.0 && cut.below > -kInf) return only(margin_between(cut.value, cut.below));
+    if (s.top_p >= 1.0 && cut.below > -kInf) return threshold_only(margin_between(cut.value, cut.below));
   }
   if (s.top_p < 1.0) {  // the softmax over the kept tokens, at the row's max (always kept)
     const TopPCut cut = top_p_cut(w, vocab, map, {s.top_p, z_max, lower, s.min_p > 0.0, with_stats});

@@ -87,9 +87,14 @@ def timing_note(cfg: SuiteConfig) -> str:
     return note
 
 
+def _times_once(cfg: SuiteConfig, provider: Provider) -> bool:
+    """Whether the suite times `provider` by one call (Provider.quick_once, in a quick suite)."""
+    return cfg.quick and provider.quick_once
+
+
 def _quick_once(cfg: SuiteConfig) -> tuple[str, ...]:
-    """Providers a quick suite times once (Provider.quick_once)."""
-    return tuple(p for p in cfg.providers if cfg.quick and p in PROVIDERS and PROVIDERS[p].quick_once)
+    """Providers a quick suite times once."""
+    return tuple(p for p in cfg.providers if p in PROVIDERS and _times_once(cfg, PROVIDERS[p]))
 
 
 def machine_meta(device: str, bandwidth_gbs: float) -> dict:
@@ -139,7 +144,7 @@ def _probes_memory(cfg: SuiteConfig, provider: Provider) -> bool:
     """Whether the suite takes `provider`'s peak memory: not for one it leaves out, nor, when quick,
     for one it times once (the float64 oracle's probe, a process of its own, took 24 s of a
     308 s main job on a 2-core AVX512-BF16 EPYC)."""
-    return cfg.measure_memory and bool(_timed_modes(cfg, provider)) and not (cfg.quick and provider.quick_once)
+    return cfg.measure_memory and bool(_timed_modes(cfg, provider)) and not _times_once(cfg, provider)
 
 
 def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
@@ -154,7 +159,7 @@ def measure(cfg: SuiteConfig, m: Measurement, progress) -> list[BenchRow]:
     step = None
     try:
         step = m.provider.build(m.problem)
-        reps, warmup = (1, 1) if cfg.quick and m.provider.quick_once else (cfg.reps, cfg.warmup)
+        reps, warmup = (1, 1) if _times_once(cfg, m.provider) else (cfg.reps, cfg.warmup)
         for mode in timed:
             progress.step(f"{m.label} {mode}")
             ms = time_mode(step, mode, cfg.device, reps, warmup, cfg.budget_s)
