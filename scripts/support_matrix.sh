@@ -45,9 +45,10 @@ if ! [ -x "$PY" ] || [ "$("$PY" -c 'import torch; print(torch.__version__.split(
     "$PY" -m pip install -q --disable-pip-version-check --no-compile "torch==$TORCH_VERSION"
 fi
 # What the build and the tests need beside torch (older torch releases do not bring numpy). The
-# newest numpy pip finds for this Python, unless GSPO_MATRIX_NUMPY says otherwise (a spec).
+# newest numpy pip finds for this Python, unless GSPO_MATRIX_NUMPY says otherwise (a spec). A quiet
+# pip prints nothing, so grep's no-match status is forgiven inside the braces, pip's is not.
 "$PY" -m pip install -q --disable-pip-version-check setuptools wheel ninja pybind11 "${GSPO_MATRIX_NUMPY:-numpy}" \
-    "pytest>=8" "hypothesis>=6.100" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "pytest>=8" "hypothesis>=6.100" 2>&1 | { grep -v "^WARNING: Location" || true; } >&2
 if [ "${GSPO_MATRIX_PREPARE_ONLY:-0}" = "1" ]; then
     echo "[matrix] prepared $VENV" >&2
     exit 0
