@@ -41,9 +41,9 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def("segment_expand(Tensor values, Tensor cu_seqlens, int rows) -> Tensor");
   // Fused linear over the engine's kept sets (csrc/cpu/kept_products.cpp says what each computes):
   // the logits of the entries and d hidden from the sets in CSR order (tiles of rows, blocks of
-  // ids); the entries grouped by block of rows and id (offsets, order, rows), and from dx in that
-  // grouped order d weight with d bias; each sum in a fixed order.
-  m.def("kept_group(Tensor row_offsets, Tensor ids, int vocab, int block_rows) -> (Tensor, Tensor, Tensor)");
+  // ids); dx and the entries' rows grouped by block of rows and id (grouped dx, offsets, rows),
+  // and from them d weight with d bias; each sum in a fixed order.
+  m.def("kept_group(Tensor row_offsets, Tensor ids, Tensor dx, int vocab, int block_rows) -> (Tensor, Tensor, Tensor)");
   m.def("kept_dots(Tensor hidden, Tensor weight, Tensor row_offsets, Tensor ids, int tile_rows, int block_ids) "
         "-> Tensor");
   m.def("kept_hidden_grad(Tensor dx, Tensor weight, Tensor row_offsets, Tensor ids, int tile_rows, int block_ids, "

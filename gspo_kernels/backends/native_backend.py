@@ -69,9 +69,9 @@ if _C is not None:
         return torch.empty_like(z)
 
     @torch.library.register_fake("gspo_kernels::kept_group")
-    def _(row_offsets, ids, vocab, block_rows):
+    def _(row_offsets, ids, dx, vocab, block_rows):
         blocks = max(1, -(-(row_offsets.shape[0] - 1) // block_rows))
-        return torch.empty_like(ids), ids.new_empty((blocks * vocab + 1,)), torch.empty_like(ids)
+        return torch.empty_like(dx), ids.new_empty((blocks * vocab + 1,)), torch.empty_like(ids)
 
     @torch.library.register_fake("gspo_kernels::kept_dots")
     def _(hidden, weight, row_offsets, ids, tile_rows, block_ids):
@@ -121,8 +121,8 @@ def logits_grad_(logits, inputs: GradInputs):
 
 
 # The kept-rows products of fused linear (csrc/cpu/kept_products.cpp; linear/kept_products.py).
-def kept_group(row_offsets, ids, vocab: int, block_rows: int):
-    return torch.ops.gspo_kernels.kept_group(row_offsets, ids, vocab, block_rows)
+def kept_group(row_offsets, ids, dx, vocab: int, block_rows: int):
+    return torch.ops.gspo_kernels.kept_group(row_offsets, ids, dx, vocab, block_rows)
 
 
 def kept_dots(hidden, weight, row_offsets, ids, tile_rows: int, block_ids: int):

@@ -8,8 +8,8 @@ multiply-adds, not N V H):
 in float32 (float64 for float64 operands), each sum in a fixed order, rounded once: no atomics,
 the same bits for the same sets. On a CPU they are C++ (csrc/cpu/kept_products.cpp: the logits
 and d hidden over the rows in their own order, ids ascending, a block of weight rows at a time;
-d weight over the entries grouped by block of rows and id, so that each weight row is read once
-per block and the block's hidden rows stay in cache). Other devices and float64 take PyTorch
+d weight over the entries grouped by block of rows, a thread's share each, and by id, so that
+each id's sum takes its rows in order, a segment a block). Other devices and float64 take PyTorch
 ops, a slab of entries at a time (a gathered copy of the slab's weight and hidden rows), with
 the entries sorted by id for d weight.
 """
@@ -53,33 +53,38 @@ def _slabs(offsets: torch.Tensor, width: int):
             yield bounds[i], bounds[i + 1], starts[i], starts[i + 1]
 
 
-def block_rows(hidden: torch.Tensor, vocab: int, entries: int) -> int:
-    """Hidden rows per block of d weight's grouping (kept_group: by block of rows, then id). Each
-    id's sum reads its rows block after block; a block should hold about 4 entries per id (4 V / k
-    rows, k the mean set size) and its hidden rows should fit a core's L2 (256 KiB), the larger of
-    the two; no block is more than a thread's share of the rows (the grouping runs a block a
-    task). The bits do not depend on it (csrc/cpu/kept_products.cpp)."""
-    rows, width = hidden.shape
-    by_cache = (256 << 10) // (width * hidden.element_size())
-    by_reuse = 4 * vocab * rows // max(entries, 1)
-    by_threads = -(-rows // max(1, torch.get_num_threads()))
-    return max(1, min(max(by_cache, by_reuse), by_threads))
+def _thread_share(rows: int) -> int:
+    return max(1, -(-rows // max(1, torch.get_num_threads())))
+
+
+def block_rows(hidden: torch.Tensor) -> int:
+    """Hidden rows per block of d weight's grouping (kept_group: by block of rows, then id): a
+    thread's share of the rows, so that the grouping runs one block a task and each id's sum
+    meets its rows in as few segments as the threads allow. The bits do not depend on it
+    (csrc/cpu/kept_products.cpp). On the 2-core AVX512-BF16 EPYC (N = 2048, H = 512, V = 32768,
+    the bench's top-512 sets, interleaved, 15 rounds) d weight took a median 33.0 ms at 1024 rows
+    a block against 40.8 ms at 256 (256 KiB of hidden rows, the rule tuned on the AMX Xeon before
+    d weight ran by id)."""
+    return _thread_share(hidden.shape[0])
 
 
 def row_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
-    """(tile_rows, block_ids) of the C++ logits and d hidden: TILE_ROWS rows a tile (at most a
-    thread's share) and 1 MiB of weight rows a block. The bits do not depend on them
-    (csrc/cpu/kept_products.cpp)."""
-    tile_rows = max(1, min(TILE_ROWS, -(-hidden.shape[0] // max(1, torch.get_num_threads()))))
+    """(tile_rows, block_ids) of the C++ logits and d hidden: a thread's share of the rows up to
+    TILE_ROWS a tile, and BLOCK_BYTES of weight rows a block. Each tile reads the whole weight
+    once, a block at a time, so a tile of a thread's share reads it once a thread where smaller
+    tiles read it again per tile (32 MiB each time at V = 32768, H = 512 bf16, more than the
+    EPYC's L3 holds beside the rest). The bits do not depend on them (csrc/cpu/kept_products.cpp)."""
+    tile_rows = min(TILE_ROWS, _thread_share(hidden.shape[0]))
     block_ids = max(1, BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
     return tile_rows, block_ids
 
 
-# On a 2-core AMX Xeon (N = 2048, H = 512, V = 32768, 512 ids a row), the fastest of 64-1024 rows
-# and 128-32768 ids (256-4096 for the logits): d hidden 18.4 ms (23-32 ms at the far corners),
-# the logits 13.9 ms (13.2-23.5 ms).
-TILE_ROWS = 256
-BLOCK_BYTES = 1 << 20
+# On the 2-core AVX512-BF16 EPYC (N = 2048, H = 512, V = 32768, 512 random ids a row, 2 threads):
+# the logits 11.4-11.8 ms and d hidden 16.7-17.9 ms at 1024 rows and 512 KiB to 1 MiB blocks,
+# against 16.4 and 25.9 ms at 256 rows and 1 MiB (the earlier choice, from a grid on the AMX
+# Xeon), 13.0 and 20.6 ms at 512 rows; one thread, 2048 rows against 1024 within the spread.
+TILE_ROWS = 1024
+BLOCK_BYTES = 512 << 10
 
 
 class KeptProducts:
@@ -109,12 +114,11 @@ class NativeKeptProducts(KeptProducts):
         if need_hidden:
             d_hidden = native_backend.kept_hidden_grad(dx, self.weight, self.entries.offsets, self.entries.ids,
                                                        *self.tiles, round_hidden)
-        if need_weight:  # by id: the entries grouped by block of rows and id, dx gathered into that order
-            vocab, ids = self.weight.shape[0], self.entries.ids
-            blocks = block_rows(self.hidden, vocab, ids.numel())
-            order, offsets, rows = native_backend.kept_group(self.entries.offsets, ids, vocab, blocks)
-            d_weight, d_bias = native_backend.kept_weight_grad(dx.index_select(0, order), self.hidden, offsets, rows,
-                                                               vocab, blocks)
+        if need_weight:  # by id: dx and the entries' rows grouped by block of rows and id
+            vocab, blocks = self.weight.shape[0], block_rows(self.hidden)
+            grouped_dx, offsets, rows = native_backend.kept_group(self.entries.offsets, self.entries.ids,
+                                                                  dx.contiguous(), vocab, blocks)
+            d_weight, d_bias = native_backend.kept_weight_grad(grouped_dx, self.hidden, offsets, rows, vocab, blocks)
         return d_hidden, d_weight, d_bias
 
 

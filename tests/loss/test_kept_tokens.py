@@ -290,3 +290,20 @@ def test_the_cpp_products_without_the_bf16_dot_instruction():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "bf16 and cpp"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:]
+
+
+def test_kept_products_give_the_same_bits_whatever_the_tiles_and_blocks(monkeypatch):
+    """The C++ products' tiles of rows, blocks of ids and d weight's blocks of rows are a speed
+    choice (linear/kept_products.py): odd sizes that cut rows and sets anywhere give the bits of
+    the defaults."""
+    if not gk.backends.native_available():
+        pytest.skip("the native extension is not built")
+    gen = torch.Generator().manual_seed(8)
+    h, w, b, targets, kept = _linear_problem(64, 96, 200, torch.bfloat16, gen, sizes=(20, 60))
+    up = (torch.randn(64, generator=gen), torch.randn(64, generator=gen))
+    default = _linear_grads(h, w, b, targets, kept, up)
+    for tile_rows, block_ids, rows_a_block in ((3, 7, 5), (1, 1, 1), (64, 200, 64)):
+        monkeypatch.setattr(kept_products, "row_tiles", lambda hidden, weight, t=(tile_rows, block_ids): t)
+        monkeypatch.setattr(kept_products, "block_rows", lambda hidden, r=rows_a_block: r)
+        for a, c in zip(default, _linear_grads(h, w, b, targets, kept, up)):
+            assert torch.equal(a, c), (tile_rows, block_ids, rows_a_block)
