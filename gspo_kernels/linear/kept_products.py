@@ -73,7 +73,10 @@ def row_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     TILE_ROWS a tile, and BLOCK_BYTES of weight rows a block. Each tile reads the whole weight
     once, a block at a time, so a tile of a thread's share reads it once a thread where smaller
     tiles read it again per tile (32 MiB each time at V = 32768, H = 512 bf16, more than the
-    EPYC's L3 holds beside the rest). The bits do not depend on them (csrc/cpu/kept_products.cpp)."""
+    EPYC's L3 holds beside the rest). A tile's float32 sums of d hidden (and, without the bf16
+    dot, its widened hidden rows) are its thread's scratch: tile_rows x H floats, 2 MiB at H = 512,
+    16 MiB at H = 4096, about N x H floats at most over all threads. The bits do not depend on
+    them (csrc/cpu/kept_products.cpp)."""
     tile_rows = min(TILE_ROWS, _thread_share(hidden.shape[0]))
     block_ids = max(1, BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
     return tile_rows, block_ids
