@@ -63,8 +63,8 @@ def block_rows(hidden: torch.Tensor) -> int:
     meets its rows in as few segments as the threads allow. The bits do not depend on it
     (csrc/cpu/kept_products.cpp). On the 2-core AVX512-BF16 EPYC (N = 2048, H = 512, V = 32768,
     the bench's top-512 sets, interleaved, 15 rounds) d weight took a median 33.0 ms at 1024 rows
-    a block against 40.8 ms at 256 (256 KiB of hidden rows, the rule tuned on the AMX Xeon before
-    d weight ran by id)."""
+    a block against 40.8 ms at 256 (256 KiB of hidden rows: the earlier rule, measured on the AMX
+    Xeon when the logits and d hidden walked these blocks too)."""
     return _thread_share(hidden.shape[0])
 
 
